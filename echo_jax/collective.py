@@ -1,0 +1,254 @@
+"""`echo_psum`: the Echo quantized all-reduce, a drop-in for `lax.psum` (the Echo paper Sec. 4).
+
+Protocol (the same for every transport, so they produce the same bits):
+
+1. Flatten x to fp32 (after the compensator's apply step, Eq. 10) and pad it with zeros to
+   P segments of Gs whole groups each; segment j is owned by rank j.
+2. Push: every rank quantizes every segment and sends segment j to its owner j (all-to-all).
+3. Reduce: owner j dequantizes the P-1 copies it received and adds them to its own full-precision
+   segment in fp32, in rank order 0..P-1 with its own value at its own position, then quantizes
+   the sum once.
+4. Gather: the owner's code goes to every rank (all-gather); every rank, the owner included,
+   dequantizes the same codes, so all ranks return identical bits. Every element is quantized at
+   most twice for any P.
+
+The "xla" transport runs this with `lax.all_to_all` and an all-gather, so it works on CPU, GPU and
+TPU, across hosts and under `jax.vmap(..., axis_name=...)` (P simulated ranks on one device). It is
+also the reference of the "p2p" custom call.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from echo_jax import compensator as comp
+from echo_jax import quant
+from echo_jax.config import EchoConfig
+
+try:  # Varying -> invariant all-gather, so that the result is typed like lax.psum's.
+    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+except ImportError:  # pragma: no cover - older/newer JAX without it
+    _all_gather_invariant = None
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+#: Environment switch: set to 1 to force the pure-JAX transport everywhere.
+FORCE_XLA_ENV = "ECHO_JAX_FORCE_XLA"
+
+
+def segment_layout(num_elements: int, num_ranks: int, group_size: int):
+    """(groups per segment Gs, padded length P * Gs * g) of the wire layout."""
+    groups = -(-max(num_elements, 1) // group_size)
+    per_segment = -(-groups // num_ranks)
+    return per_segment, num_ranks * per_segment * group_size
+
+
+def axis_size(axis_name, where: str = "echo_psum") -> int:
+    """Size of a bound mesh/vmap axis, or a ValueError that names the axis."""
+    name = _single_axis(axis_name, where)
+    try:
+        return lax.axis_size(name)
+    except NameError:
+        raise ValueError(
+            f"{where}: axis name {name!r} is not bound here. Call it inside jax.shard_map over a "
+            f"mesh with an axis {name!r}, or inside jax.vmap(..., axis_name={name!r}).") from None
+
+
+def _single_axis(axis_name, where):
+    if isinstance(axis_name, (tuple, list)):
+        if len(axis_name) != 1:
+            raise ValueError(f"{where}: reduces over exactly one axis name, got {axis_name!r}; "
+                             "reduce over a flattened axis or call it once per axis")
+        axis_name = axis_name[0]
+    if not isinstance(axis_name, str) and not callable(getattr(axis_name, "__hash__", None)):
+        raise ValueError(f"{where}: axis_name must be a string, got {axis_name!r}")
+    return axis_name
+
+
+def _to_varying(x, axis):
+    """psum semantics for a value invariant over a shard_map axis: every rank contributes it."""
+    if _varies_over(x, axis) or axis not in jax.sharding.get_abstract_mesh().manual_axes:
+        return x  # already varying, or a vmap axis (no types to cast)
+    try:
+        return lax.pcast(x, axis, to="varying")
+    except (ValueError, AssertionError):  # shard_map(check_vma=False): nothing to cast
+        return x
+
+
+def _varies_over(x, axis) -> bool:
+    """Whether x is typed as varying over a shard_map axis (never true for a vmap axis)."""
+    manual = getattr(jax.typeof(x), "mat", None)  # JAX 0.11: ShapedArray.mat.varying
+    return manual is not None and axis in manual.varying
+
+
+def _gather(x, axis):
+    # In a type-checked shard_map the sum is invariant over the axis, like lax.psum's result.
+    if _all_gather_invariant is not None and _varies_over(x, axis):
+        return _all_gather_invariant(x, axis)
+    return lax.all_gather(x, axis)
+
+
+def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
+    """The quantized all-reduce of a flat fp32 contribution with the "xla" transport.
+
+    Args:
+      x_flat32: fp32 [n] contribution of this rank (already compensated).
+      axis: the bound axis name to reduce over.
+      num_ranks: its size P.
+      config: bits, group size and policy.
+
+    Returns:
+      fp32 [n], identical on every rank.
+    """
+    bits, g, policy = config.bits, config.group_size, config.policy
+    n = x_flat32.shape[0]
+    per_seg, padded = segment_layout(n, num_ranks, g)
+    segs = jnp.pad(x_flat32, (0, padded - n)).reshape(num_ranks, per_seg, g)
+    # Push: quantize all P segments; the all-to-all delivers segment j of rank r as row r on j.
+    packed, params = quant.quantize_groups(segs, bits, policy)
+    recv_packed = lax.all_to_all(packed, axis, 0, 0)
+    recv_params = lax.all_to_all(params, axis, 0, 0)
+    copies = quant.dequantize_groups(recv_packed, recv_params, bits, policy)
+    # Reduce: fp32 sum in rank order, own full-precision segment at its own position.
+    me = lax.axis_index(axis)
+    own = lax.dynamic_index_in_dim(segs, me, 0, keepdims=False)
+    acc = jnp.where(me == 0, own, copies[0])
+    for r in range(1, num_ranks):
+        acc = acc + jnp.where(me == r, own, copies[r])
+    sum_packed, sum_params = quant.quantize_groups(acc, bits, policy)
+    # Gather + tail: every rank dequantizes the same codes of every owner.
+    all_packed = _gather(sum_packed, axis)
+    all_params = _gather(sum_params, axis)
+    y = quant.dequantize_groups(all_packed, all_params, bits, policy)
+    return y.reshape(-1)[:n]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _allreduce_f32(x_flat32, axis, num_ranks, config):
+    return _dispatch(config)(x_flat32, axis, num_ranks, config)
+
+
+@_allreduce_f32.defjvp
+def _allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
+    # Straight-through: the derivative of the quantized sum is taken as that of the exact sum.
+    (x,), (t,) = primals, tangents
+    return _allreduce_f32(x, axis, num_ranks, config), lax.psum(t, axis)
+
+
+def _dispatch(config: EchoConfig):
+    transport = resolve_transport(config)
+    if transport == "xla":
+        return xla_allreduce
+    from echo_jax import p2p  # the custom call; imported lazily
+    return p2p.p2p_allreduce
+
+
+def resolve_transport(config: EchoConfig) -> str:
+    """The transport a call with this config runs ("xla" or "p2p")."""
+    if os.environ.get(FORCE_XLA_ENV, "") not in ("", "0"):
+        return "xla"
+    if config.transport == "xla":
+        return "xla"
+    try:
+        from echo_jax import p2p
+    except ImportError as err:
+        if config.transport == "p2p":
+            raise ValueError(
+                "EchoConfig.transport='p2p' needs the Echo custom call (echo_jax.p2p and its "
+                f"compiled extension), which is not available here: {err}. Use transport='auto' "
+                "or 'xla'.") from None
+        return "xla"
+    return p2p.choose(config)
+
+
+def power_of_two_scale(x32, axis):
+    """Shared power-of-two factor 2^k so that the group-wide max |x| lands in [256, 512).
+
+    One scalar `pmax` across the group (the Echo paper Sec. 5.4); 1 when the max is 0 or not
+    finite. Multiplying and dividing by it is exact.
+    """
+    local = jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0)
+    amax = lax.pmax(local, axis)
+    _, e = jnp.frexp(amax)
+    k = jnp.clip(9 - e, -120, 120)
+    ok = jnp.isfinite(amax) & (amax > 0)
+    return jnp.where(ok, jnp.ldexp(jnp.float32(1), k), jnp.float32(1))
+
+
+def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
+    dtype = jnp.result_type(x)
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"echo_psum: dtype {dtype} is not supported; use float32, bfloat16 or "
+                         "float16 (cast integers or float64 first)")
+    if state is not None:
+        comp.check_state(state, x)
+    num_ranks = axis_size(axis)
+    if num_ranks == 1:
+        return x, state
+    x = _to_varying(x, axis)
+    x32 = jnp.ravel(x).astype(jnp.float32)
+    k = comp.Coefficients.from_config(config)
+    if state is not None:
+        state = jax.tree.map(lax.stop_gradient, state)
+        state = comp.CompensatorState(_to_varying(state.m1, axis), _to_varying(state.m2, axis))
+        m = comp.CompensatorState(jnp.ravel(state.m1), jnp.ravel(state.m2))
+        x32 = comp.apply_correction(x32, m, k)
+    if rescale:
+        f = lax.stop_gradient(power_of_two_scale(x32, axis))
+        y32 = _allreduce_f32(x32 * f, axis, num_ranks, config) * (jnp.float32(1) / f)
+    else:
+        y32 = _allreduce_f32(x32, axis, num_ranks, config)
+    y = y32.reshape(jnp.shape(x)).astype(dtype)
+    if state is None:
+        return y, None
+    new = comp.update_state(x32, lax.stop_gradient(y32), num_ranks, m, k)
+    shape = jnp.shape(x)
+    return y, comp.CompensatorState(new.m1.reshape(shape), new.m2.reshape(shape))
+
+
+def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
+              rescale: bool = False):
+    """Sum `x` over the mesh or vmap axis `axis_name` with the Echo 4/8-bit all-reduce.
+
+    A drop-in for `lax.psum(x, axis_name)` inside `jax.shard_map` or `jax.vmap(...,
+    axis_name=...)`: every rank returns the same bits, in x's dtype. With `state` it runs the
+    compensated all-reduce of Algorithm 1 (the Echo paper Sec. 5.1).
+
+    Args:
+      x: array or pytree of arrays (float32, bfloat16 or float16), this rank's contribution.
+      axis_name: the axis to reduce over (one name; other mesh axes are left alone).
+      config: an `EchoConfig` (default: 4 bits, g = 128, zero-aware asym, transport "auto").
+      state: None (uncompensated), or a `CompensatorState` (a pytree of them for pytree x) from
+        `init_state(x)` or from the previous site.
+      rescale: multiply by a shared power of two before quantizing and divide after (Sec. 5.4),
+        so tiny or huge magnitudes do not leave fp16's range; costs one scalar pmax.
+
+    Returns:
+      The sum, shaped and typed like x; with `state`, the pair (sum, new_state).
+    """
+    config = EchoConfig() if config is None else config
+    if not isinstance(config, EchoConfig):
+        raise ValueError(f"echo_psum: config must be an EchoConfig, got {type(config).__name__}")
+    axis = _single_axis(axis_name, "echo_psum")
+    axis_size(axis)  # a clear error before tracing anything else
+    leaves, treedef = jax.tree.flatten(x)
+    if state is None:
+        ys = [_echo_leaf(leaf, None, axis, config, rescale)[0] for leaf in leaves]
+        return jax.tree.unflatten(treedef, ys)
+    try:
+        states = treedef.flatten_up_to(state)
+    except (ValueError, TypeError) as err:
+        raise ValueError("echo_psum: state must mirror x's pytree with a CompensatorState per "
+                         f"array (use init_state(x)): {err}") from None
+    pairs = [_echo_leaf(leaf, s, axis, config, rescale) for leaf, s in zip(leaves, states)]
+    return (jax.tree.unflatten(treedef, [p[0] for p in pairs]),
+            jax.tree.unflatten(treedef, [p[1] for p in pairs]))
+
+
+__all__ = ["echo_psum", "xla_allreduce", "segment_layout", "resolve_transport",
+           "power_of_two_scale", "FORCE_XLA_ENV"]

@@ -1,0 +1,77 @@
+"""Configuration of the Echo all-reduce.
+
+`EchoConfig` is a frozen, hashable dataclass, so it can be a static argument of `jax.jit` and a
+field of a Flax module. Every bad value raises `ValueError` naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+POLICIES = ("asym", "sym", "asym_naive")
+TRANSPORTS = ("auto", "p2p", "xla")
+BITS = (4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class EchoConfig:
+    """Settings of one Echo all-reduce site.
+
+    Args:
+      bits: bits per value on the wire, 4 or 8.
+      group_size: values per quantization group g (one fp16 scale, plus an fp16 zero-point for the
+        asymmetric policies). Must be even at 4 bits, since two codes share a byte.
+      policy: "asym" (zero-aware asymmetric, the Echo paper Sec. 4.3), "sym" (Eq. 8) or
+        "asym_naive" (Eq. 9 with the zero-point left where the group minimum puts it; ablation).
+      eta: gain of the compensator (Eq. 10); 0 disables compensation.
+      blend: weight a of the slow average m1 in the correction c = eta (a m1 + (1 - a) m2).
+      beta1: decay of the slow average m1 (Eq. 11).
+      beta2: decay of the fast average m2 (Eq. 11).
+      transport: "xla" (quantized all-to-all + all-gather in pure JAX), "p2p" (the Echo custom
+        call) or "auto" (p2p where it can run, else xla).
+    """
+
+    bits: int = 4
+    group_size: int = 128
+    policy: str = "asym"
+    eta: float = 0.75
+    blend: float = 0.35
+    beta1: float = 0.7
+    beta2: float = 0.3
+    transport: str = "auto"
+
+    def __post_init__(self):
+        if isinstance(self.bits, bool) or self.bits not in BITS:
+            raise ValueError(f"EchoConfig.bits must be 4 or 8, got {self.bits!r}")
+        g = self.group_size
+        if isinstance(g, bool) or not isinstance(g, int) or g <= 0:
+            raise ValueError(f"EchoConfig.group_size must be a positive int, got {g!r}")
+        if self.bits == 4 and g % 2:
+            raise ValueError(
+                f"EchoConfig.group_size must be even at 4 bits (two codes per byte), got {g}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"EchoConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("eta", "blend"):
+            v = getattr(self, name)
+            if not _is_real(v) or not 0.0 <= v <= 1.0:
+                raise ValueError(f"EchoConfig.{name} must be in [0, 1], got {v!r}")
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            if not _is_real(v) or not 0.0 <= v < 1.0:
+                raise ValueError(f"EchoConfig.{name} must be in [0, 1), got {v!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"EchoConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
+
+    @property
+    def compensated(self) -> bool:
+        """Whether a compensator state changes the result (eta > 0)."""
+        return self.eta > 0.0
+
+    def replace(self, **changes) -> "EchoConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v

@@ -1,0 +1,229 @@
+r"""The Echo group quantizer: the one definition of the wire format (pure JAX reference).
+
+Every implementation (this file, the CPU handler and the CUDA kernels of the custom call) follows
+the formulas below bit for bit. All arithmetic is IEEE fp32 with round-to-nearest-even; ``f16(v)``
+is the fp32 -> fp16 conversion with round-to-nearest-even, ``f16_up(v)`` (for v >= 0) is ``f16(v)``
+moved one fp16 step up when it came out below v, ``rne`` rounds to the nearest integer with ties to
+even, ``1/s`` is the correctly rounded fp32 reciprocal.
+
+Layout
+------
+A group is g consecutive values x_0 .. x_{g-1}. Its codes are unsigned b-bit integers; at 4 bits two
+codes share a byte, code 2k in the low nibble and code 2k+1 in the high nibble; at 8 bits one code is
+one byte. Its parameters are fp16: a scale s (all policies) and a zero-point z (asymmetric policies
+only). Wire bytes per group: g*b/8 + 2 (sym) or g*b/8 + 4 (asym): 68 bytes per 128 values at 4 bits.
+
+Dequantization (all policies)
+-----------------------------
+    m = -(z * s)                  (exact in fp32: both factors are fp16)
+    x_hat = code * s + m          (code * s is exact, so a fused multiply-add gives the same bits)
+
+For sym, z is not sent: it is the constant 2^(b-1).
+
+Quantization, sym (Eq. 8 of the Echo paper)
+-------------------------------------------
+    Q = 2^(b-1) - 1,  amax = max_k |x_k|
+    s = f16(amax)                 if every x_k is equal   (a constant group is exact when x_0 is an fp16 value)
+    s = f16_up(amax * f32(1/Q))   otherwise               (rounded up: no value lands outside +-Q)
+    r = 1/s (0 when s == 0)
+    code_k = clip(rne(x_k * r), -Q, Q) + 2^(b-1)          (code 0, i.e. -2^(b-1), is never used)
+
+Quantization, asym and asym_naive (Eq. 9 and the zero-aware policy of Sec. 4.3)
+-------------------------------------------------------------------------------
+    lo = min_k x_k, hi = max_k x_k, amax = max(|lo|, |hi|), M = 2^b - 1
+    constant group (lo == hi):  s = f16(lo) (signed), z = -1, every code 0   -> x_hat = s exactly
+    otherwise:
+      s  = f16_up(max((hi - lo) * f32(1/M), amax * 2^-10))
+      r  = 1/s
+      zn = -lo * r                             naive zero-point: the grid starts at the minimum
+      e  = min(-lo, hi) * r                    steps by which zero lies inside [lo, hi]
+      w  = clip(2 * e - 1, 0, 1)               zero-aware weight ("asym"); w = 0 for "asym_naive"
+      z  = f16(zn + w * (rne(zn) - zn))
+      m  = -(z * s)
+      code_k = clip(rne((x_k - m) * r), 0, M)
+
+The zero-aware blend. e is how many grid steps zero lies inside the group's range (negative when
+the group lies on one side of zero). A group that straddles zero by at least one step gets an
+integer zero-point (w = 1), so 0 is a grid point and dequantizes to exactly 0. A group on one side
+of zero, or with zero within half a step of its edge, keeps the naive map (w = 0) and spends the
+whole grid on its values. For e in [1/2, 1] the zero-point moves linearly from the naive value to
+the rounded one; rne(zn) only jumps where w = 0, so the zero-point is continuous in the data up to
+e = 1 (beyond it, an integer zero-point steps by whole codes, as any zero-aware map must).
+The floor ``amax * 2^-10`` on the scale keeps |z| <= 1024, where fp16 holds the zero-point to a
+quarter step; it is only active for groups whose range is tiny next to their magnitude.
+
+Non-finite data and fp16 range
+------------------------------
+A group with any NaN or +-inf, or whose scale or zero-point does not fit fp16 (|x| above about
+65504 * Q for sym), is sent as s = NaN, z = 0, codes 0 and dequantizes to NaN in every position:
+never silent finite garbage. Scales below fp16's normal range are kept as fp16 subnormals (rounded
+up, so still no clipping); the backward pass of `echo_jax.tp` rescales gradients by a power of two
+(the Echo paper Sec. 5.4) so that they do not get there.
+
+Error bounds (finite groups): |x_hat - x| <= s/2 for sym and asym_naive, <= s for the zero-aware
+asym map (rounding the zero-point can clip half a step at one end), plus the fp32 rounding of x - m.
+
+Why products, never divisions or unfused mul-adds: XLA rewrites ``x / s`` into ``x * (1/s)`` and
+fuses ``a * b + c`` into one fused multiply-add on some backends. The formulas only use ``1/s``
+computed once per group, exact products inside sums, and `_no_fma` where a rounded product meets
+an addition, so every backend and every kernel produces the same bits.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+POLICIES = ("asym", "sym", "asym_naive")
+
+
+def num_params(policy: str) -> int:
+    """fp16 parameters per group: 1 for sym (scale), 2 for asym (scale, zero-point)."""
+    _check_policy(policy)
+    return 1 if policy == "sym" else 2
+
+
+def code_bytes(group_size: int, bits: int) -> int:
+    """Bytes of codes per group."""
+    return group_size * bits // 8
+
+
+def wire_bytes_per_group(group_size: int, bits: int, policy: str) -> int:
+    """Bytes on the wire per group: codes plus fp16 parameters (68 for g=128, 4-bit asym)."""
+    return code_bytes(group_size, bits) + 2 * num_params(policy)
+
+
+def _check_policy(policy):
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+
+
+def _check_bits(bits):
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+
+
+def _no_fma(*products):
+    """Materialise rounded products so XLA cannot fuse them into a following addition."""
+    out = lax.optimization_barrier(products)
+    return out if len(products) > 1 else out[0]
+
+
+def f16_round_up(v):
+    """fp32 v >= 0 -> the smallest fp16 >= v (NaN stays NaN, overflow gives inf)."""
+    h = v.astype(jnp.float16)
+    below = h.astype(jnp.float32) < v
+    return jnp.where(below, jnp.nextafter(h, jnp.array(jnp.inf, jnp.float16)), h)
+
+
+def _reciprocal(s32):
+    safe = jnp.where(s32 == 0, jnp.float32(1), s32)
+    return jnp.where(s32 == 0, jnp.float32(0), jnp.float32(1) / safe)
+
+
+def pack_codes(codes, bits: int):
+    """uint8 codes [..., g] -> wire bytes [..., g*bits/8] (4-bit: low nibble first)."""
+    _check_bits(bits)
+    codes = codes.astype(jnp.uint8)
+    if bits == 8:
+        return codes
+    lo = codes[..., 0::2]
+    hi = codes[..., 1::2]
+    return lo | (hi << 4)
+
+
+def unpack_codes(packed, bits: int):
+    """Wire bytes [..., g*bits/8] -> uint8 codes [..., g]."""
+    _check_bits(bits)
+    if bits == 8:
+        return packed
+    lo = packed & 0xF
+    hi = packed >> 4
+    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def quantize_groups(x, bits: int, policy: str):
+    """Quantize groups of values.
+
+    Args:
+      x: float array [..., G, g] (any float dtype; computed in fp32).
+      bits: 4 or 8.
+      policy: "asym", "sym" or "asym_naive".
+
+    Returns:
+      (packed, params): packed uint8 [..., G, g*bits/8]; params fp16 [..., G, 1] for sym
+      (scale) or [..., G, 2] for asym (scale, zero-point).
+    """
+    _check_bits(bits)
+    _check_policy(policy)
+    x = x.astype(jnp.float32)
+    finite = jnp.all(jnp.isfinite(x), axis=-1, keepdims=True)
+    xs = jnp.where(finite, x, jnp.float32(0))
+    lo = jnp.min(xs, axis=-1, keepdims=True)
+    hi = jnp.max(xs, axis=-1, keepdims=True)
+    amax = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+    constant = lo == hi
+    if policy == "sym":
+        qmax = 2 ** (bits - 1) - 1
+        s16 = jnp.where(constant, amax.astype(jnp.float16),
+                        f16_round_up(amax * np.float32(1.0 / qmax)))
+        s = s16.astype(jnp.float32)
+        r = _reciprocal(s)
+        q = jnp.clip(jnp.round(xs * r), -qmax, qmax) + (qmax + 1)
+        ok = finite & jnp.isfinite(s)
+        params = jnp.where(ok, s16, jnp.float16(jnp.nan))
+    else:
+        levels = 2 ** bits - 1
+        s_raw = jnp.maximum((hi - lo) * np.float32(1.0 / levels), amax * np.float32(2.0 ** -10))
+        s16 = jnp.where(constant, lo.astype(jnp.float16), f16_round_up(s_raw))
+        s = s16.astype(jnp.float32)
+        r = _reciprocal(s)
+        zn = -lo * r
+        if policy == "asym":
+            e = jnp.minimum(-lo, hi) * r
+            w = jnp.clip(e * np.float32(2) - np.float32(1), 0.0, 1.0)
+            z = zn + _no_fma(w * (jnp.round(zn) - zn))
+        else:
+            z = zn
+        z16 = jnp.where(constant, jnp.float16(-1), z.astype(jnp.float16))
+        m = -(z16.astype(jnp.float32) * s)
+        q = jnp.clip(jnp.round((xs - m) * r), 0, levels)
+        ok = finite & jnp.isfinite(s) & jnp.isfinite(z16)
+        params = jnp.concatenate([jnp.where(ok, s16, jnp.float16(jnp.nan)),
+                                  jnp.where(ok, z16, jnp.float16(0))], axis=-1)
+    codes = jnp.where(ok, q, 0).astype(jnp.uint8)
+    return pack_codes(codes, bits), params
+
+
+def dequantize_groups(packed, params, bits: int, policy: str):
+    """Inverse of `quantize_groups`: fp32 [..., G, g] with x_hat = code * s - z * s."""
+    _check_bits(bits)
+    _check_policy(policy)
+    codes = unpack_codes(packed, bits).astype(jnp.float32)
+    s = params[..., 0:1].astype(jnp.float32)
+    if policy == "sym":
+        z = jnp.float32(2 ** (bits - 1))
+    else:
+        z = params[..., 1:2].astype(jnp.float32)
+    m = -(z * s)
+    return codes * s + m
+
+
+def quantize_dequantize(x, bits: int, group_size: int, policy: str):
+    """Round trip of a flat or shaped array through the wire format (padding internal).
+
+    Returns fp32 of x's shape.
+    """
+    flat = jnp.ravel(x).astype(jnp.float32)
+    n = flat.shape[0]
+    pad = (-n) % group_size
+    groups = jnp.pad(flat, (0, pad)).reshape(-1, group_size)
+    packed, params = quantize_groups(groups, bits, policy)
+    return dequantize_groups(packed, params, bits, policy).reshape(-1)[:n].reshape(jnp.shape(x))
+
+
+__all__ = [
+    "POLICIES", "num_params", "code_bytes", "wire_bytes_per_group", "f16_round_up",
+    "pack_codes", "unpack_codes", "quantize_groups", "dequantize_groups", "quantize_dequantize",
+]

@@ -1,0 +1,199 @@
+"""Megatron tensor-parallel operators with Echo at both sites (the Echo paper Sec. 5.4).
+
+A Megatron block is  x -> backward_site -> column-parallel matmul -> ... -> row-parallel matmul
+-> forward_site -> residual add.
+
+* `forward_site` (Megatron's g): Echo all-reduce in the forward pass, identity in the backward
+  pass. Its compensator state is threaded by the caller from site to site (e.g. through the carry
+  of `nn.scan`) and reset to zeros at the start of each forward pass.
+* `backward_site` (Megatron's f): identity in the forward pass, Echo all-reduce of the cotangent
+  in the backward pass. Its compensator state needs no extra machinery: the caller threads a
+  state pytree through the sites in the forward pass (the site returns it unchanged), and the
+  backward pass carries the live state as the *cotangent* of that pytree, in backward order. The
+  cotangent arriving at the last site is zero, so the backward state starts from zeros. The
+  cotangent is rescaled by a shared power of two (one scalar pmax) around the all-reduce, so small
+  gradients do not underflow the fp16 scales; the compensator runs outside the scaling.
+
+`config` selects the mode of a site: an `EchoConfig`, or None for the exact 16-bit baseline
+(plain `lax.psum`) through the same code path. A tuple of them with a traced `choice` index
+selects per layer inside a scanned stack (e.g. the early-site 8-bit policy of Sec. 7.2).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from echo_jax import collective
+from echo_jax.compensator import CompensatorState, init_state
+from echo_jax.config import EchoConfig
+
+SiteConfig = Optional[EchoConfig]
+SiteConfigs = Union[SiteConfig, Sequence[SiteConfig]]
+
+
+def _reduce(x, axis, config: SiteConfig, state, rescale):
+    """One all-reduce of `x` under a static site config; returns (y, state)."""
+    if config is None:
+        y = lax.psum(collective._to_varying(x, axis), axis)
+        return y, state
+    if state is None or not config.compensated:
+        return collective.echo_psum(x, axis, config=config, rescale=rescale), state
+    return collective.echo_psum(x, axis, config=config, state=state, rescale=rescale)
+
+
+def _as_varying_state(state, axis):
+    if state is None:
+        return None
+    return CompensatorState(collective._to_varying(state.m1, axis),
+                            collective._to_varying(state.m2, axis))
+
+
+def _reduce_switch(x, axis, configs: SiteConfigs, choice, state, rescale):
+    """`_reduce` under one of several static configs, chosen by a (possibly traced) index."""
+    state = _as_varying_state(state, axis)
+    if not isinstance(configs, (tuple, list)):
+        return _reduce(x, axis, configs, state, rescale)
+    configs = tuple(configs)
+    if choice is None:
+        raise ValueError("a tuple of site configs needs a `choice` index")
+    if len(configs) == 1:
+        return _reduce(x, axis, configs[0], state, rescale)
+    branches = [functools.partial(_branch, axis=axis, config=c, rescale=rescale)
+                for c in configs]
+    return lax.switch(jnp.clip(choice, 0, len(configs) - 1), branches, x, state)
+
+
+def _branch(x, state, *, axis, config, rescale):
+    y, s = _reduce(x, axis, config, state, rescale)
+    return y, _as_varying_state(s, axis)
+
+
+def _check_configs(configs: SiteConfigs, where: str):
+    for c in (configs if isinstance(configs, (tuple, list)) else (configs,)):
+        if c is not None and not isinstance(c, EchoConfig):
+            raise ValueError(f"{where}: a site config must be an EchoConfig or None (exact), "
+                             f"got {type(c).__name__}")
+
+
+# --------------------------------------------------------------------------------------------
+# forward site (g): Echo forward, identity backward
+
+
+def forward_site(x, axis_name, config: SiteConfigs, state: CompensatorState | None = None,
+                 choice=None, rescale: bool = False):
+    """Row-parallel output reduction: y = Echo-all-reduce(x); the backward pass is identity.
+
+    Args:
+      x: this rank's partial output (float array).
+      axis_name: the tensor-parallel axis.
+      config: EchoConfig, None (exact psum), or a tuple of them selected by `choice`.
+      state: forward compensator state (from `init_state(x)` or the previous site), or None.
+      choice: int index into a tuple `config` (may be traced, e.g. the layer index).
+      rescale: power-of-two rescaling around the all-reduce (off by default in forward).
+
+    Returns:
+      (y, new_state); new_state is None when state is None.
+    """
+    _check_configs(config, "forward_site")
+    collective.axis_size(collective._single_axis(axis_name, "forward_site"), "forward_site")
+    return _forward_site(x, state, choice, axis_name, config, rescale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _forward_site(x, state, choice, axis, config, rescale):
+    return _reduce_switch(x, axis, config, choice, state, rescale)
+
+
+def _forward_site_fwd(x, state, choice, axis, config, rescale):
+    return _forward_site(x, state, choice, axis, config, rescale), (state, choice)
+
+
+def _forward_site_bwd(axis, config, rescale, res, cts):
+    state, choice = res
+    ct_y, _ = cts
+    # Identity: every rank receives the full cotangent of the (replicated) sum.
+    ct_x = collective._to_varying(ct_y, axis)
+    zeros = jax.tree.map(jnp.zeros_like, state)
+    return ct_x, zeros, _zero_choice(choice)
+
+
+_forward_site.defvjp(_forward_site_fwd, _forward_site_bwd)
+
+
+def _zero_choice(choice):
+    if choice is None:
+        return None
+    return jnp.zeros(jnp.shape(choice), jax.dtypes.float0)
+
+
+# --------------------------------------------------------------------------------------------
+# backward site (f): identity forward, Echo all-reduce of the cotangent backward
+
+
+def backward_site(x, axis_name, config: SiteConfigs, bwd_state: CompensatorState,
+                  choice=None, rescale: bool = True):
+    """Column-parallel input: identity forward; Echo all-reduce of the cotangent backward.
+
+    Args:
+      x: the replicated activation entering the column-parallel matmul.
+      axis_name: the tensor-parallel axis.
+      config: EchoConfig, None (exact psum), or a tuple of them selected by `choice`.
+      bwd_state: a `CompensatorState` shaped like x (zeros from `init_state(x)`); thread the
+        returned one to the next site. Its cotangent carries the backward compensator state.
+      choice: index into a tuple `config` (may be traced).
+      rescale: power-of-two rescaling of the cotangent (Sec. 5.4); on by default.
+
+    Returns:
+      (x, bwd_state): both unchanged in value; x typed as varying over the axis.
+    """
+    _check_configs(config, "backward_site")
+    collective.axis_size(collective._single_axis(axis_name, "backward_site"), "backward_site")
+    if not isinstance(bwd_state, CompensatorState):
+        raise ValueError("backward_site: bwd_state must be a CompensatorState shaped like x "
+                         "(use echo_jax.init_state(x))")
+    x_varies = collective._varies_over(x, axis_name)
+    # The live state is per rank, so its cotangent is varying: type the primal the same way.
+    bwd_state = _as_varying_state(bwd_state, axis_name)
+    return _backward_site(x, bwd_state, choice, axis_name, config, rescale, x_varies)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _backward_site(x, bwd_state, choice, axis, config, rescale, x_varies):
+    return collective._to_varying(x, axis), bwd_state
+
+
+def _backward_site_fwd(x, bwd_state, choice, axis, config, rescale, x_varies):
+    return _backward_site(x, bwd_state, choice, axis, config, rescale, x_varies), (choice,)
+
+
+def _backward_site_bwd(axis, config, rescale, x_varies, res, cts):
+    (choice,) = res
+    ct_x, live_state = cts
+    ct_in, new_state = _reduce_switch(ct_x, axis, config, choice, live_state, rescale)
+    if x_varies:  # the cotangent of a varying input must be typed varying too
+        ct_in = collective._to_varying(ct_in, axis)
+    if new_state is None:
+        new_state = live_state
+    return ct_in, new_state, _zero_choice(choice)
+
+
+_backward_site.defvjp(_backward_site_fwd, _backward_site_bwd)
+
+
+def early_8bit_configs(config: EchoConfig) -> tuple:
+    """(8-bit config, `config`) for the early-site policy: choose index 0 in the first half."""
+    return (config.replace(bits=8), config)
+
+
+def early_8bit_choice(layer, num_layers: int):
+    """Index into `early_8bit_configs`: 0 (8-bit) for layer < num_layers / 2, else 1."""
+    return jnp.where(layer < (num_layers + 1) // 2, 0, 1).astype(jnp.int32)
+
+
+__all__ = ["forward_site", "backward_site", "early_8bit_configs", "early_8bit_choice",
+           "init_state"]

@@ -1,0 +1,39 @@
+"""EchoConfig validation: every bad value raises ValueError naming the field and the value."""
+
+import pytest
+
+from echo_jax import EchoConfig
+
+
+def test_defaults_match_the_paper():
+    c = EchoConfig()
+    assert (c.bits, c.group_size, c.policy) == (4, 128, "asym")
+    assert (c.eta, c.blend, c.beta1, c.beta2) == (0.75, 0.35, 0.7, 0.3)
+    assert c.transport == "auto"
+    assert hash(c) == hash(EchoConfig())  # usable as a static jit argument
+
+
+@pytest.mark.parametrize("field,value", [
+    ("bits", 3), ("bits", 16), ("bits", True), ("group_size", 0), ("group_size", -4),
+    ("group_size", 127), ("group_size", 12.0), ("policy", "fp8"), ("eta", 1.5), ("eta", -0.1),
+    ("blend", 2.0), ("beta1", 1.0), ("beta2", -0.5), ("eta", float("nan")),
+    ("transport", "nccl"),
+])
+def test_bad_values_name_field_and_value(field, value):
+    with pytest.raises(ValueError) as info:
+        EchoConfig(**{field: value})
+    assert field in str(info.value)
+    assert repr(value) in str(info.value) or str(value) in str(info.value)
+
+
+def test_odd_group_allowed_at_8_bits():
+    assert EchoConfig(bits=8, group_size=127).group_size == 127
+
+
+def test_frozen_and_replace():
+    c = EchoConfig()
+    with pytest.raises(Exception):
+        c.bits = 8
+    assert c.replace(bits=8).bits == 8
+    with pytest.raises(ValueError, match="bits"):
+        c.replace(bits=5)

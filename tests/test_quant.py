@@ -1,0 +1,171 @@
+"""Properties of the group quantizer (echo_jax/quant.py, the wire format's one definition)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from echo_jax import quant
+
+POLICIES = ("asym", "sym", "asym_naive")
+
+
+def roundtrip(x, bits, policy):
+    packed, params = quant.quantize_groups(jnp.asarray(x), bits, policy)
+    return np.asarray(quant.dequantize_groups(packed, params, bits, policy)), packed, params
+
+
+def step_of(params):
+    return np.abs(np.asarray(params[..., 0:1], np.float32))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("dist", ["normal", "shifted", "positive", "negative", "heavy"])
+def test_roundtrip_error_within_step(bits, policy, dist):
+    rng = np.random.default_rng(bits * 7 + len(policy) + len(dist))
+    x = rng.standard_normal((257, 128)).astype(np.float32)
+    if dist == "shifted":
+        x += rng.uniform(-3, 3, (257, 1)).astype(np.float32)
+    elif dist == "positive":
+        x = np.abs(x) + 0.5
+    elif dist == "negative":
+        x = -np.abs(x) * 100 - 3
+    elif dist == "heavy":
+        x = (rng.standard_t(2, x.shape) * 10).astype(np.float32)
+    xh, _, params = roundtrip(x, bits, policy)
+    s = step_of(params)
+    err = np.abs(xh - x)
+    # Half a step for sym and naive asym (the scale is rounded up: no clipping); one step for
+    # the zero-aware map (rounding the zero-point may clip half a step at one end).
+    bound = (0.5 if policy != "asym" else 1.0) * s * (1 + 2 ** -10) + np.abs(x) * 2 ** -22
+    assert np.all(err <= bound), float(np.max(err / s))
+    assert np.all(np.isfinite(xh))
+
+
+@given(st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=2, max_size=64)
+       .filter(lambda v: len(v) % 2 == 0),
+       st.sampled_from(POLICIES), st.sampled_from([4, 8]))
+@settings(max_examples=150, deadline=None)
+def test_roundtrip_property(values, policy, bits):
+    x = np.asarray(values, np.float32)[None]
+    xh, packed, params = roundtrip(x, bits, policy)
+    s = float(step_of(params)[0, 0])
+    tol = (0.5 if policy != "asym" else 1.0) * s * (1 + 2 ** -10) + np.abs(x) * 2 ** -22
+    if x.min() == x.max():  # constant group: exact when the value is an fp16 number
+        assert np.all(xh == np.float32(np.float16(x[0, 0])))
+    else:
+        assert np.all(np.abs(xh - x) <= tol + 1e-30)
+    assert packed.shape == (1, x.shape[1] * bits // 8)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_zero_and_constant_groups_exact(bits, policy):
+    x = np.zeros((5, 32), np.float32)
+    x[1] = 1.5
+    x[2] = -3.25
+    x[3] = 2.0 ** -20          # an fp16 subnormal
+    x[4] = 60000.0
+    xh, _, _ = roundtrip(x, bits, policy)
+    np.testing.assert_array_equal(xh, x)
+
+
+def test_zero_aware_asym_keeps_zero_exact():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((500, 128)).astype(np.float32) + 0.3
+    x[:, ::3] = 0.0  # activations are peaked at zero
+    xh, _, _ = roundtrip(x, 4, "asym")
+    assert np.all(xh[:, ::3] == 0.0)
+    xn, _, _ = roundtrip(x, 4, "asym_naive")
+    assert np.any(xn[:, ::3] != 0.0)  # the naive map puts zero between two codes
+
+
+def test_zero_aware_blend_is_continuous():
+    # A group whose minimum moves from just above zero to 1.3 steps below it: the zero-point
+    # moves continuously from the naive value to the integer one.
+    zs = []
+    for lo in np.linspace(0.05, -0.13, 81, dtype=np.float32):
+        x = np.linspace(lo, 1.5, 128, dtype=np.float32)[None]
+        _, params = quant.quantize_groups(jnp.asarray(x), 4, "asym")
+        zs.append(float(params[0, 0, 1]) if params.ndim == 3 else float(params[0, 1]))
+    assert max(abs(a - b) for a, b in zip(zs, zs[1:])) < 0.1
+    assert zs[-1] == round(zs[-1])  # fully inside: integer zero-point
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_group_stays_non_finite(bits, policy, bad):
+    x = np.ones((3, 16), np.float32)
+    x[1, 5] = bad
+    xh, _, params = roundtrip(x, bits, policy)
+    assert np.all(np.isnan(xh[1]))           # the whole group, never finite garbage
+    assert np.all(np.isfinite(xh[[0, 2]]))   # neighbours untouched
+    assert np.isnan(float(params[1, 0]))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_scale_overflow_is_non_finite_not_garbage(policy):
+    x = np.linspace(-1e9, 1e9, 32, dtype=np.float32)[None]
+    xh, _, _ = roundtrip(x, 4, policy)
+    assert np.all(~np.isfinite(xh))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_tiny_magnitudes_use_subnormal_scales(policy):
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((64, 128)) * 1e-6).astype(np.float32)
+    xh, _, params = roundtrip(x, 8, policy)
+    s = step_of(params)
+    assert np.all(s > 0)
+    assert np.all(np.abs(xh - x) <= (0.5 if policy != "asym" else 1.0) * s * 1.001 + 1e-12)
+
+
+def test_sym_never_uses_most_negative_code():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((200, 64)).astype(np.float32)
+    packed, _ = quant.quantize_groups(jnp.asarray(x), 4, "sym")
+    codes = np.asarray(quant.unpack_codes(packed, 4))
+    assert codes.min() >= 1 and codes.max() <= 15
+
+
+def test_pack_layout_low_nibble_first():
+    codes = jnp.asarray(np.array([[1, 2, 15, 0, 7, 9]], np.uint8))
+    packed = np.asarray(quant.pack_codes(codes, 4))
+    np.testing.assert_array_equal(packed, [[0x21, 0x0F, 0x97]])
+    np.testing.assert_array_equal(np.asarray(quant.unpack_codes(jnp.asarray(packed), 4)), codes)
+    np.testing.assert_array_equal(np.asarray(quant.pack_codes(codes, 8)), codes)
+
+
+def test_wire_bytes():
+    assert quant.wire_bytes_per_group(128, 4, "asym") == 68
+    assert quant.wire_bytes_per_group(128, 4, "sym") == 66
+    assert quant.wire_bytes_per_group(128, 8, "asym") == 132
+
+
+def test_f16_round_up_is_the_next_fp16_at_or_above():
+    rng = np.random.default_rng(5)
+    v = np.concatenate([rng.uniform(0, 70000, 5000), 10.0 ** rng.uniform(-9, 4, 5000),
+                        [0.0, 65504.0, 65519.0, 65520.0, 1e-8]]).astype(np.float32)
+    up = np.asarray(quant.f16_round_up(jnp.asarray(v))).astype(np.float32)
+    assert np.all(up >= v)
+    below = np.nextafter(up.astype(np.float16), np.float16(-np.inf)).astype(np.float32)
+    assert np.all((below < v) | (up == 0))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_input_dtypes(policy):
+    x = jax.random.normal(jax.random.key(0), (10, 128))
+    for dt in (jnp.float32, jnp.bfloat16, jnp.float16):
+        xh = quant.quantize_dequantize(x.astype(dt), 4, 128, policy)
+        assert xh.dtype == jnp.float32 and xh.shape == x.shape
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="bits"):
+        quant.quantize_groups(jnp.ones((1, 8)), 3, "sym")
+    with pytest.raises(ValueError, match="policy"):
+        quant.quantize_groups(jnp.ones((1, 8)), 4, "fp4")
