@@ -130,7 +130,7 @@ def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
 def _allreduce_f32(x_flat32, axis, num_ranks, config):
-    return _dispatch(config)(x_flat32, axis, num_ranks, config)
+    return _dispatch(config, axis)(x_flat32, axis, num_ranks, config)
 
 
 @_allreduce_f32.defjvp
@@ -140,16 +140,16 @@ def _allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
     return _allreduce_f32(x, axis, num_ranks, config), lax.psum(t, axis)
 
 
-def _dispatch(config: EchoConfig):
-    transport = resolve_transport(config)
+def _dispatch(config: EchoConfig, axis=None):
+    transport = resolve_transport(config, axis)
     if transport == "xla":
         return xla_allreduce
     from echo_jax import p2p  # the custom call; imported lazily
     return p2p.p2p_allreduce
 
 
-def resolve_transport(config: EchoConfig) -> str:
-    """The transport a call with this config runs ("xla" or "p2p")."""
+def resolve_transport(config: EchoConfig, axis=None) -> str:
+    """The transport a call with this config runs here ("xla" or "p2p")."""
     if os.environ.get(FORCE_XLA_ENV, "") not in ("", "0"):
         return "xla"
     if config.transport == "xla":
@@ -163,7 +163,7 @@ def resolve_transport(config: EchoConfig) -> str:
                 f"compiled extension), which is not available here: {err}. Use transport='auto' "
                 "or 'xla'.") from None
         return "xla"
-    return p2p.choose(config)
+    return p2p.choose(config, axis)
 
 
 def power_of_two_scale(x32, axis):
@@ -192,23 +192,44 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
         return x, state
     x = _to_varying(x, axis)
     x32 = jnp.ravel(x).astype(jnp.float32)
-    k = comp.Coefficients.from_config(config)
+    shape = jnp.shape(x)
     if state is not None:
         state = jax.tree.map(lax.stop_gradient, state)
         state = comp.CompensatorState(_to_varying(state.m1, axis), _to_varying(state.m2, axis))
         m = comp.CompensatorState(jnp.ravel(state.m1), jnp.ravel(state.m2))
+    if state is not None and not rescale and resolve_transport(config, axis) == "p2p":
+        # Fused compensation (Sec. 5.3): the apply step runs in the call's entry pass and the
+        # state update inside the call; m1/m2 are updated in place.
+        y32, m1, m2 = _fused_allreduce_f32(x32, m.m1, m.m2, axis, num_ranks, config)
+        return (y32.reshape(shape).astype(dtype),
+                comp.CompensatorState(m1.reshape(shape), m2.reshape(shape)))
+    k = comp.Coefficients.from_config(config)
+    if state is not None:
         x32 = comp.apply_correction(x32, m, k)
     if rescale:
         f = lax.stop_gradient(power_of_two_scale(x32, axis))
         y32 = _allreduce_f32(x32 * f, axis, num_ranks, config) * (jnp.float32(1) / f)
     else:
         y32 = _allreduce_f32(x32, axis, num_ranks, config)
-    y = y32.reshape(jnp.shape(x)).astype(dtype)
+    y = y32.reshape(shape).astype(dtype)
     if state is None:
         return y, None
     new = comp.update_state(x32, lax.stop_gradient(y32), num_ranks, m, k)
-    shape = jnp.shape(x)
     return y, comp.CompensatorState(new.m1.reshape(shape), new.m2.reshape(shape))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def _fused_allreduce_f32(x_flat32, m1, m2, axis, num_ranks, config):
+    from echo_jax import p2p
+    return p2p.p2p_allreduce_compensated(x_flat32, m1, m2, axis, num_ranks, config)
+
+
+@_fused_allreduce_f32.defjvp
+def _fused_allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
+    # Straight-through for x (as in `_allreduce_f32`); the state carries no derivative.
+    x, m1, m2 = primals
+    y, n1, n2 = _fused_allreduce_f32(x, m1, m2, axis, num_ranks, config)
+    return (y, n1, n2), (lax.psum(tangents[0], axis), jnp.zeros_like(n1), jnp.zeros_like(n2))
 
 
 def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,

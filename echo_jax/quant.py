@@ -4,7 +4,7 @@ Every implementation (this file, the CPU handler and the CUDA kernels of the cus
 the formulas below bit for bit. All arithmetic is IEEE fp32 with round-to-nearest-even; ``f16(v)``
 is the fp32 -> fp16 conversion with round-to-nearest-even, ``f16_up(v)`` (for v >= 0) is ``f16(v)``
 moved one fp16 step up when it came out below v, ``rne`` rounds to the nearest integer with ties to
-even, ``1/s`` is the correctly rounded fp32 reciprocal.
+even, ``1/s`` is the correctly rounded fp32 reciprocal (a 65536-entry table over fp16 s here).
 
 Layout
 ------
@@ -71,6 +71,8 @@ an addition, so every backend and every kernel produces the same bits.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -110,16 +112,69 @@ def _no_fma(*products):
     return out if len(products) > 1 else out[0]
 
 
+# fp16 rounding on integer bit patterns. XLA may drop an f32 -> f16 -> f32 round trip as "excess
+# precision" (it does on GPU), so the reference never relies on float conversions to round: these
+# helpers do it on the bits, and the float conversions that remain are exact.
+
+def f16_round(v):
+    """fp32 -> the fp32 value of the nearest fp16 (ties to even; inf on overflow, NaN kept)."""
+    v = jnp.asarray(v, jnp.float32)
+    bits = lax.bitcast_convert_type(v, jnp.uint32)
+    sign = bits & np.uint32(0x80000000)
+    a = bits & np.uint32(0x7FFFFFFF)
+    # Normal fp16 range: keep 10 mantissa bits, round the 13 dropped ones to nearest even (a
+    # carry correctly bumps the exponent).
+    odd = (a >> 13) & np.uint32(1)
+    normal = (a + np.uint32(0xFFF) + odd) & np.uint32(0xFFFFE000)
+    normal = jnp.where(a >= np.uint32(0x477FF000), np.uint32(0x7F800000), normal)  # >= 65520
+    # Subnormal fp16 range: multiples of 2^-24 (both scalings are exact powers of two).
+    sub = jnp.round(jnp.abs(v) * np.float32(2.0 ** 24)) * np.float32(2.0 ** -24)
+    sub_bits = lax.bitcast_convert_type(sub, jnp.uint32)
+    out = jnp.where(a >= np.uint32(0x38800000), normal, sub_bits)
+    out = jnp.where(a > np.uint32(0x7F800000), a, out)  # NaN
+    return lax.bitcast_convert_type(out | sign, jnp.float32)
+
+
+def f16_bits(h):
+    """fp32 values that are fp16 numbers (from `f16_round`) -> their uint16 bit patterns."""
+    bits = lax.bitcast_convert_type(jnp.asarray(h, jnp.float32), jnp.uint32)
+    sign = (bits >> 16) & np.uint32(0x8000)
+    a = bits & np.uint32(0x7FFFFFFF)
+    normal = ((a - np.uint32(112 << 23)) >> 13) & np.uint32(0x7FFF)
+    sub = (jnp.abs(h) * np.float32(2.0 ** 24)).astype(jnp.uint32)
+    out = jnp.where(a >= np.uint32(0x38800000), normal, sub)
+    out = jnp.where(a >= np.uint32(0x7F800000),
+                    np.uint32(0x7C00) | jnp.where(a > np.uint32(0x7F800000), np.uint32(0x200),
+                                                  np.uint32(0)), out)
+    return (out | sign).astype(jnp.uint16)
+
+
+def f16_from_bits(b):
+    """uint16 fp16 bit patterns -> fp32 values (exact)."""
+    return lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
 def f16_round_up(v):
-    """fp32 v >= 0 -> the smallest fp16 >= v (NaN stays NaN, overflow gives inf)."""
-    h = v.astype(jnp.float16)
-    below = h.astype(jnp.float32) < v
-    return jnp.where(below, jnp.nextafter(h, jnp.array(jnp.inf, jnp.float16)), h)
+    """fp32 v >= 0 -> the fp32 value of the smallest fp16 >= v (NaN kept, overflow gives inf)."""
+    h = f16_round(v)
+    up = f16_from_bits(f16_bits(h).astype(jnp.uint32) + np.uint32(1))
+    return jnp.where(h < v, up, h)
+
+
+@functools.lru_cache(maxsize=None)
+def _reciprocal_table() -> np.ndarray:
+    """Correctly rounded fp32 1/s for every fp16 bit pattern s (0 for s = +-0)."""
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.float32(1) / h  # IEEE division on the host: correctly rounded
+    r[h == 0] = 0
+    return r
 
 
 def _reciprocal(s32):
-    safe = jnp.where(s32 == 0, jnp.float32(1), s32)
-    return jnp.where(s32 == 0, jnp.float32(0), jnp.float32(1) / safe)
+    # A table lookup rather than `1 / s`: XLA's GPU division is not always correctly rounded,
+    # and s is always an fp16 value, so 65536 entries cover every case exactly.
+    return jnp.asarray(_reciprocal_table())[f16_bits(s32).astype(jnp.int32)]
 
 
 def pack_codes(codes, bits: int):
@@ -166,18 +221,15 @@ def quantize_groups(x, bits: int, policy: str):
     constant = lo == hi
     if policy == "sym":
         qmax = 2 ** (bits - 1) - 1
-        s16 = jnp.where(constant, amax.astype(jnp.float16),
-                        f16_round_up(amax * np.float32(1.0 / qmax)))
-        s = s16.astype(jnp.float32)
+        s = jnp.where(constant, f16_round(amax), f16_round_up(amax * np.float32(1.0 / qmax)))
         r = _reciprocal(s)
         q = jnp.clip(jnp.round(xs * r), -qmax, qmax) + (qmax + 1)
         ok = finite & jnp.isfinite(s)
-        params = jnp.where(ok, s16, jnp.float16(jnp.nan))
+        params = jnp.where(ok, f16_bits(s), np.uint16(0x7E00))
     else:
         levels = 2 ** bits - 1
         s_raw = jnp.maximum((hi - lo) * np.float32(1.0 / levels), amax * np.float32(2.0 ** -10))
-        s16 = jnp.where(constant, lo.astype(jnp.float16), f16_round_up(s_raw))
-        s = s16.astype(jnp.float32)
+        s = jnp.where(constant, f16_round(lo), f16_round_up(s_raw))
         r = _reciprocal(s)
         zn = -lo * r
         if policy == "asym":
@@ -186,14 +238,14 @@ def quantize_groups(x, bits: int, policy: str):
             z = zn + _no_fma(w * (jnp.round(zn) - zn))
         else:
             z = zn
-        z16 = jnp.where(constant, jnp.float16(-1), z.astype(jnp.float16))
-        m = -(z16.astype(jnp.float32) * s)
+        zf = jnp.where(constant, np.float32(-1), f16_round(z))
+        m = -(zf * s)
         q = jnp.clip(jnp.round((xs - m) * r), 0, levels)
-        ok = finite & jnp.isfinite(s) & jnp.isfinite(z16)
-        params = jnp.concatenate([jnp.where(ok, s16, jnp.float16(jnp.nan)),
-                                  jnp.where(ok, z16, jnp.float16(0))], axis=-1)
+        ok = finite & jnp.isfinite(s) & jnp.isfinite(zf)
+        params = jnp.concatenate([jnp.where(ok, f16_bits(s), np.uint16(0x7E00)),
+                                  jnp.where(ok, f16_bits(zf), np.uint16(0))], axis=-1)
     codes = jnp.where(ok, q, 0).astype(jnp.uint8)
-    return pack_codes(codes, bits), params
+    return pack_codes(codes, bits), lax.bitcast_convert_type(params, jnp.float16)
 
 
 def dequantize_groups(packed, params, bits: int, policy: str):
@@ -201,7 +253,7 @@ def dequantize_groups(packed, params, bits: int, policy: str):
     _check_bits(bits)
     _check_policy(policy)
     codes = unpack_codes(packed, bits).astype(jnp.float32)
-    s = params[..., 0:1].astype(jnp.float32)
+    s = params[..., 0:1].astype(jnp.float32)  # widening: exact
     if policy == "sym":
         z = jnp.float32(2 ** (bits - 1))
     else:
@@ -224,6 +276,6 @@ def quantize_dequantize(x, bits: int, group_size: int, policy: str):
 
 
 __all__ = [
-    "POLICIES", "num_params", "code_bytes", "wire_bytes_per_group", "f16_round_up",
+    "POLICIES", "num_params", "code_bytes", "wire_bytes_per_group", "f16_round", "f16_round_up",
     "pack_codes", "unpack_codes", "quantize_groups", "dequantize_groups", "quantize_dequantize",
 ]

@@ -184,9 +184,9 @@ def test_hlo_has_no_full_width_all_reduce():
     mesh = make_mesh((4,), ("tp",))
     x = jnp.ones((4, 4096))
     for rescale in (False, True):
-        f = jax.jit(jax.shard_map(functools.partial(ej.echo_psum, axis_name="tp",
-                                                    rescale=rescale),
-                                  mesh=mesh, in_specs=P("tp"), out_specs=P()))
+        f = jax.jit(jax.shard_map(functools.partial(
+            ej.echo_psum, axis_name="tp", rescale=rescale,
+            config=ej.EchoConfig(transport="xla")), mesh=mesh, in_specs=P("tp"), out_specs=P()))
         hlo = f.lower(put(x, mesh, P("tp"))).compile().as_text()
         assert "all-to-all" in hlo and "all-gather" in hlo
         reduces = [ln for ln in hlo.splitlines() if " all-reduce(" in ln or "all-reduce-start(" in ln]
@@ -194,6 +194,20 @@ def test_hlo_has_no_full_width_all_reduce():
         assert len(reduces) == (1 if rescale else 0), reduces
         for ln in reduces:
             assert "f32[] " in ln
+
+
+def test_hlo_of_the_custom_call_has_no_collective_of_x():
+    from echo_jax import p2p
+    if p2p.unavailable_reason() is not None and "shard_map" not in p2p.unavailable_reason():
+        pytest.skip(p2p.unavailable_reason())
+    mesh = make_mesh((4,), ("tp",))
+    f = jax.jit(jax.shard_map(functools.partial(ej.echo_psum, axis_name="tp",
+                                                config=ej.EchoConfig(transport="p2p")),
+                              mesh=mesh, in_specs=P("tp"), out_specs=P()))
+    hlo = f.lower(put(jnp.ones((4, 4096)), mesh, P("tp"))).compile().as_text()
+    assert "custom-call" in hlo and "echo_jax_allreduce" in hlo
+    for op in ("all-reduce(", "all-to-all(", "all-gather("):
+        assert op not in hlo
 
 
 def test_jit_grad_scan_remat():
@@ -233,14 +247,13 @@ def test_non_finite_input_poisons_only_its_groups():
     assert np.all(np.isfinite(y[:, :640])) and np.all(np.isfinite(y[:, 768:]))
 
 
-def test_p2p_unavailable_is_a_clear_error(monkeypatch):
+def test_kill_switch_and_unavailable_p2p(monkeypatch):
     from echo_jax import collective
-    try:
-        import echo_jax.p2p  # noqa: F401
-        pytest.skip("the custom call is available here")
-    except ImportError:
-        pass
-    with pytest.raises(ValueError, match="p2p"):
-        collective.resolve_transport(ej.EchoConfig(transport="p2p"))
     monkeypatch.setenv(collective.FORCE_XLA_ENV, "1")
     assert collective.resolve_transport(ej.EchoConfig(transport="p2p")) == "xla"
+    monkeypatch.delenv(collective.FORCE_XLA_ENV)
+    # Outside shard_map (here: no mesh at all) the custom call cannot run: a clear error for
+    # "p2p", the pure-JAX transport for "auto".
+    with pytest.raises(ValueError, match="p2p"):
+        collective.resolve_transport(ej.EchoConfig(transport="p2p"), "tp")
+    assert collective.resolve_transport(ej.EchoConfig(transport="auto"), "tp") == "xla"

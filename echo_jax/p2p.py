@@ -1,0 +1,380 @@
+"""The "p2p" transport: the Echo all-reduce as an XLA FFI custom call (ffi/, module `echo_jax._ffi`).
+
+`p2p_allreduce` has the signature of `echo_jax.collective.xla_allreduce` and returns the same bits;
+`p2p_allreduce_compensated` fuses Algorithm 1 of the Echo paper into the call and returns the same
+bits as `compensator.apply_correction` + `xla_allreduce` + `compensator.update_state`. Both run
+inside `jax.shard_map`: every rank of the reduced axis is one device, and the ranks of a group
+meet inside the custom call (on CPU: host threads over shared memory, see
+ffi/echo_allreduce_cpu.cc). The protocol and the wire format are those of `collective.py` and
+`quant.py`.
+
+On CPU (ffi/echo_allreduce_cpu.cc) the handler is asynchronous: each rank's call returns a
+future to XLA and runs push / reduce / gather / tail on a host thread of its own, the ranks meeting
+in a workspace per (call site, devices of the group) that is allocated at the first execution and
+reused by every later one; readiness is one monotone flag per rank whose base rises by 3 per call.
+A rank that waits longer than ECHO_JAX_TIMEOUT_S for a peer fails the execution with an error
+that names the stage, the group, the rank and the missing peer.
+
+`choose(config)` says which transport a call runs. The custom call needs
+
+* a handler for the platform in `echo_jax._ffi` ("cpu"; the GPU custom call is the separate
+  module `echo_jax._ffi_cuda`, wrapped by `echo_jax.p2p_cuda`),
+* one process (the CPU handler shares host memory between the ranks),
+* a `jax.shard_map` in which the reduced axis and every other mesh axis of size > 1 are manual.
+  Under `jax.vmap(..., axis_name=...)` the ranks are batch entries of one device and a custom
+  call that waits for its peers would deadlock, so vmap always runs the "xla" transport.
+
+Attributes and limits (validated here with messages that say what to fix, and again in C++):
+
+=================  =========================================================================
+num_ranks          P, the size of the reduced axis: 1 .. 256
+bits               4 or 8
+group_size         g: 1 .. 65536, even at 4 bits
+policy             int code: 0 = "asym", 1 = "sym", 2 = "asym_naive" (`quant.POLICIES` order)
+segment_groups     groups per segment, ceil(ceil(max(n, 1) / g) / P) (`segment_layout`);
+                   segment_groups * g <= 2^31 - 1
+site               id of the traced call site (keeps independent all-reduces of one program
+                   apart; a new id per trace)
+timeout_ms         how long a rank waits for a peer before failing: ECHO_JAX_TIMEOUT_S
+                   (seconds, default 10), read when the call is traced
+debug_absent_rank  test hook (`debug_absent_rank()`), -1 normally
+ea, eb, b1, c1,    fp32 coefficients of `compensator.Coefficients` and f32(1/P)
+b2, c2, inv_ranks  (compensated call only)
+=================  =========================================================================
+
+Operands: x fp32 [n], (m1, m2 fp32 [n] for the compensated call, aliased to their outputs), and
+coords int32 [2] = (axis_index(axis), group id), the group id numbering the other manual axes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from echo_jax import compensator as comp
+from echo_jax.config import EchoConfig
+from echo_jax.quant import POLICIES
+
+try:
+    from echo_jax import _ffi
+except ImportError as _err:  # pragma: no cover - only without the compiled extension
+    _ffi = None
+    _IMPORT_ERROR = f"the compiled extension echo_jax._ffi is missing ({_err}); reinstall with " \
+                    "`pip install -e .`"
+else:
+    _IMPORT_ERROR = None
+
+TARGET = "echo_jax_allreduce"
+TARGET_COMPENSATED = "echo_jax_allreduce_compensated"
+
+#: Environment variable: seconds a rank waits for a peer before the call fails (default 10).
+TIMEOUT_ENV = "ECHO_JAX_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 10.0
+
+MAX_RANKS = 256
+MAX_GROUP_SIZE = 1 << 16
+MAX_SEGMENT_ELEMS = 2 ** 31 - 1
+POLICY_CODES = {p: i for i, p in enumerate(POLICIES)}  # asym 0, sym 1, asym_naive 2
+
+_PLATFORM_ALIASES = {"cuda": "cuda", "gpu": "cuda", "rocm": "rocm", "cpu": "cpu"}
+
+_lock = threading.Lock()
+_registered: set[str] = set()
+_sites = itertools.count(1)
+_debug_absent_rank = -1
+
+
+def available_platforms() -> tuple[str, ...]:
+    """Platforms this build has custom-call handlers for (empty without the extension)."""
+    return tuple(_ffi.platforms()) if _ffi is not None else ()
+
+
+def _register(platform: str) -> None:
+    """Registers the FFI targets for `platform` once, after the backend is initialised."""
+    if platform in _registered:
+        return
+    with _lock:
+        if platform in _registered:
+            return
+        jax.devices()  # initialise the backends first: registration needs them
+        if platform == "cpu":
+            for name, capsule in _ffi.registrations().items():
+                jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        _registered.add(platform)
+
+
+def _current_platform(mesh) -> str:
+    device = getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None) if device is not None else None
+    if not platform:
+        platform = jax.default_backend()
+    return _PLATFORM_ALIASES.get(str(platform).lower(), str(platform).lower())
+
+
+def unavailable_reason(axis_name=None) -> str | None:
+    """Why the custom call cannot run here (None when it can).
+
+    Args:
+      axis_name: the axis to reduce over, if known; without it only the context is checked.
+    """
+    if _ffi is None:
+        return _IMPORT_ERROR
+    if jax.process_count() > 1:
+        return (f"this run has {jax.process_count()} processes and the CPU custom call shares "
+                "host memory between the ranks of one process")
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    if mesh.empty or not manual:
+        return ("it is not called inside jax.shard_map (the custom call needs one device per rank; "
+                "under jax.vmap(..., axis_name=...) or outside shard_map only 'xla' runs)")
+    if axis_name is not None and axis_name not in manual:
+        return (f"axis {axis_name!r} is not a manual axis of the enclosing shard_map (manual: "
+                f"{sorted(manual)}); a jax.vmap axis runs the 'xla' transport, since the vmapped "
+                "ranks of a custom call would wait for each other forever")
+    auto = [a for a, s in zip(mesh.axis_names, mesh.axis_sizes) if a not in manual and s > 1]
+    if auto:
+        return (f"mesh axes {auto} are not manual inside this shard_map, so XLA would replicate "
+                "the custom call over them; shard_map over every mesh axis of size > 1")
+    platform = _current_platform(mesh)
+    if platform in ("gpu", "cuda"):
+        return _gpu_unavailable_reason(axis_name)
+    if platform not in available_platforms():
+        return (f"echo_jax._ffi has no handler for platform {platform!r} (it has "
+                f"{list(available_platforms())})")
+    return None
+
+
+def _gpu_unavailable_reason(axis_name) -> str | None:
+    """Why the CUDA custom call (echo_jax.p2p_cuda) cannot run here (None when it can)."""
+    from echo_jax import p2p_cuda
+    if not p2p_cuda.available():
+        return "the CUDA handlers (echo_jax._ffi_cuda) are not built: install where nvcc is found"
+    if axis_name is None:
+        return None
+    size = jax.sharding.get_abstract_mesh().shape[axis_name]
+    if size > p2p_cuda.MAX_RANKS:
+        return f"the CUDA custom call takes at most {p2p_cuda.MAX_RANKS} ranks, axis has {size}"
+    if p2p_cuda.mesh_groups(axis_name, size) is None:
+        return ("the CUDA custom call needs the concrete mesh of local GPUs: call it under "
+                "`with jax.set_mesh(mesh):`")
+    return None
+
+
+def _on_gpu() -> bool:
+    return _current_platform(jax.sharding.get_abstract_mesh()) in ("gpu", "cuda")
+
+
+def choose(config: EchoConfig, axis_name=None) -> str:
+    """The transport a call runs: "p2p" where the custom call can run, else "xla".
+
+    Raises:
+      ValueError: config.transport == "p2p" but the custom call cannot run here (says why).
+    """
+    if config.transport == "xla":
+        return "xla"
+    reason = unavailable_reason(axis_name)
+    if reason is None:
+        return "p2p"
+    if config.transport == "p2p":
+        raise ValueError(f"EchoConfig.transport='p2p' cannot run here: {reason}. Use "
+                         "transport='auto' (falls back to 'xla') or transport='xla'.")
+    return "xla"
+
+
+def _timeout_ms() -> int:
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    if raw.strip() == "":
+        return int(DEFAULT_TIMEOUT_S * 1000)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 0.001 <= seconds <= 86400.0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds in [0.001, 86400], "
+                         f"got {raw!r}")
+    return max(1, int(round(seconds * 1000)))
+
+
+@contextlib.contextmanager
+def debug_absent_rank(rank: int):
+    """Test hook: calls *traced* inside this context make `rank` join its group and then leave
+    without taking part, as a peer that never arrives would; the other ranks time out after
+    ECHO_JAX_TIMEOUT_S with an error that names the stage, the group and the missing rank."""
+    global _debug_absent_rank
+    previous, _debug_absent_rank = _debug_absent_rank, int(rank)
+    try:
+        yield
+    finally:
+        _debug_absent_rank = previous
+
+
+def _varying_axes(x) -> frozenset:
+    mat = getattr(jax.typeof(x), "mat", None)  # JAX 0.11: ShapedArray.mat.varying
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def _cast_varying(y, axes):
+    """Types y (an invariant ffi_call result) as varying over `axes`; a no-op when the
+    shard_map does not check types (check_vma=False)."""
+    missing = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names
+                    if a in axes and a not in _varying_axes(y))
+    if not missing:
+        return y
+    try:
+        return lax.pcast(y, missing, to="varying")
+    except (ValueError, AssertionError, TypeError):
+        return y
+
+
+def _coords(axis):
+    """int32 [2]: this rank's index on `axis` and the id of its group (the other manual axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rank = lax.axis_index(axis).astype(jnp.int32)
+    group = jnp.int32(0)
+    for name, size in zip(mesh.axis_names, mesh.axis_sizes):
+        if name == axis or name not in mesh.manual_axes or size == 1:
+            continue
+        group = group * jnp.int32(size) + lax.axis_index(name).astype(jnp.int32)
+    return jnp.stack([rank, jnp.broadcast_to(group, rank.shape).astype(jnp.int32)])
+
+
+def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
+    """Validates a p2p call; returns the common attributes."""
+    if not isinstance(config, EchoConfig):
+        raise ValueError(f"{where}: config must be an EchoConfig, got {type(config).__name__}")
+    shape, dtype = jnp.shape(x_flat32), jnp.result_type(x_flat32)
+    if len(shape) != 1 or dtype != jnp.float32:
+        raise ValueError(f"{where}: x_flat32 must be a flat float32 array, got {dtype}{list(shape)}; "
+                         "pass jnp.ravel(x).astype(jnp.float32)")
+    for name, m in states:
+        if jnp.shape(m) != shape or jnp.result_type(m) != jnp.float32:
+            raise ValueError(f"{where}: {name} must be float32{list(shape)} like x_flat32, got "
+                             f"{jnp.result_type(m)}{list(jnp.shape(m))}; flatten the "
+                             "CompensatorState from echo_jax.init_state(x)")
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)):
+        raise ValueError(f"{where}: num_ranks must be an int, got {num_ranks!r}")
+    num_ranks = int(num_ranks)
+    try:
+        size = lax.axis_size(axis)
+    except NameError:
+        raise ValueError(f"{where}: axis {axis!r} is not bound here; call it inside jax.shard_map "
+                         f"over a mesh with an axis {axis!r}") from None
+    if size != num_ranks:
+        raise ValueError(f"{where}: num_ranks={num_ranks} but axis {axis!r} has size {size}")
+    if not 1 <= num_ranks <= MAX_RANKS:
+        raise ValueError(f"{where}: the custom call supports 1..{MAX_RANKS} ranks, axis {axis!r} "
+                         f"has {num_ranks}; use transport='xla'")
+    if config.group_size > MAX_GROUP_SIZE:
+        raise ValueError(f"{where}: EchoConfig.group_size={config.group_size} exceeds the custom "
+                         f"call's limit of {MAX_GROUP_SIZE}")
+    n = shape[0]
+    groups = -(-max(n, 1) // config.group_size)
+    seg_groups = -(-groups // num_ranks)
+    if seg_groups * config.group_size > MAX_SEGMENT_ELEMS:
+        raise ValueError(f"{where}: {n} elements over {num_ranks} ranks make segments of "
+                         f"{seg_groups * config.group_size} elements, above the custom call's "
+                         f"limit of 2^31-1; split the all-reduce")
+    return dict(num_ranks=num_ranks, bits=int(config.bits), group_size=int(config.group_size),
+                policy=POLICY_CODES[config.policy], segment_groups=int(seg_groups),
+                site=next(_sites), timeout_ms=_timeout_ms(),
+                debug_absent_rank=int(_debug_absent_rank) if _debug_absent_rank < num_ranks
+                else -1)
+
+
+def _resolve(where, axis, config):
+    """None when the custom call runs; otherwise the reason (for the 'auto' fallback)."""
+    reason = unavailable_reason(axis)
+    if reason is not None and config.transport == "p2p":
+        raise ValueError(f"{where}: EchoConfig.transport='p2p' cannot run here: {reason}. Use "
+                         "transport='auto' (falls back to 'xla') or transport='xla'.")
+    return reason
+
+
+def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
+    """The quantized all-reduce of a flat fp32 contribution through the Echo custom call.
+
+    Same arguments, result and bits as `echo_jax.collective.xla_allreduce` (to which it falls
+    back, for transport="auto", where the custom call cannot run, e.g. under vmap).
+
+    Args:
+      x_flat32: fp32 [n] contribution of this rank (already compensated).
+      axis: the bound axis name to reduce over.
+      num_ranks: its size P.
+      config: bits, group size and policy.
+
+    Returns:
+      fp32 [n], identical on every rank (typed like lax.psum's result).
+    """
+    where = "p2p_allreduce"
+    if _resolve(where, axis, config) is not None:
+        from echo_jax.collective import xla_allreduce
+        return xla_allreduce(x_flat32, axis, num_ranks, config)
+    if _on_gpu():
+        from echo_jax import p2p_cuda
+        return p2p_cuda.rank_allreduce(x_flat32, axis, num_ranks, config)
+    attrs = _check_call(where, x_flat32, axis, num_ranks, config)
+    _register(_current_platform(jax.sharding.get_abstract_mesh()))
+    n = jnp.shape(x_flat32)[0]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n,), jnp.float32),
+                            vmap_method="sequential")
+    y = call(x_flat32, _coords(axis), **attrs)
+    return _cast_varying(y, _varying_axes(x_flat32) - {axis})
+
+
+def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
+                              config: EchoConfig):
+    """Compensated all-reduce (Algorithm 1) fused into the custom call.
+
+    The apply step x' = x + eta (a m1 + (1 - a) m2) runs in the call's entry pass and the state
+    update u = x' - y/P, m_j = beta_j m_j + (1 - beta_j) u inside the call once y is known; m1 and
+    m2 are updated in place (input_output_aliases). Equal, bit for bit, to
+    `comp.apply_correction` + `xla_allreduce` + `comp.update_state`.
+
+    Returns:
+      (y fp32 [n] identical on every rank, m1_new fp32 [n], m2_new fp32 [n]).
+    """
+    where = "p2p_allreduce_compensated"
+    k = comp.Coefficients.from_config(config)
+    if _resolve(where, axis, config) is not None:
+        from echo_jax.collective import xla_allreduce
+        state = comp.CompensatorState(m1_flat, m2_flat)
+        x_prime = comp.apply_correction(x_flat32, state, k)
+        y = xla_allreduce(x_prime, axis, num_ranks, config)
+        new = comp.update_state(x_prime, y, num_ranks, state, k)
+        return y, new.m1, new.m2
+    if _on_gpu():
+        from echo_jax import p2p_cuda
+        y, new = p2p_cuda.rank_allreduce(x_flat32, axis, num_ranks, config,
+                                         comp.CompensatorState(m1_flat, m2_flat))
+        return y, new.m1, new.m2
+    attrs = _check_call(where, x_flat32, axis, num_ranks, config,
+                        states=(("m1_flat", m1_flat), ("m2_flat", m2_flat)))
+    _register(_current_platform(jax.sharding.get_abstract_mesh()))
+    n = jnp.shape(x_flat32)[0]
+    out = jax.ShapeDtypeStruct((n,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET_COMPENSATED, (out, out, out), vmap_method="sequential",
+                            input_output_aliases={1: 1, 2: 2})
+    f32 = np.float32
+    y, m1, m2 = call(x_flat32, m1_flat, m2_flat, _coords(axis), **attrs,
+                     ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2),
+                     c2=f32(k.c2), inv_ranks=f32(1.0 / int(num_ranks)))
+    varying = _varying_axes(x_flat32) | _varying_axes(m1_flat) | _varying_axes(m2_flat)
+    return (_cast_varying(y, varying - {axis}), _cast_varying(m1, varying),
+            _cast_varying(m2, varying))
+
+
+def registry_stats() -> dict:
+    """Counts of the CPU handler's persistent workspaces, joins in flight and bindings."""
+    return dict(_ffi.registry_stats()) if _ffi is not None else {}
+
+
+__all__ = ["choose", "unavailable_reason", "available_platforms", "p2p_allreduce",
+           "p2p_allreduce_compensated", "debug_absent_rank", "registry_stats", "TIMEOUT_ENV",
+           "POLICY_CODES"]

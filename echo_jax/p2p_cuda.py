@@ -1,0 +1,179 @@
+"""Python side of the CUDA custom call (ffi/p2p_cuda.cu, ffi/quant_cuda.cu).
+
+* `rank_allreduce`: one rank per GPU inside `jax.shard_map` (the "p2p" transport on GPUs). The
+  group of GPUs of each rank is read from the concrete mesh, so call it under
+  `jax.set_mesh(mesh)`; every GPU of a group must have peer access to the others.
+* `virtual_allreduce`: P rank pipelines on P streams of one GPU, for tests and benchmarks on a
+  machine with a single GPU. x is [P, ...]; row r is rank r's contribution.
+* `quantize` / `dequantize`: the wire-format kernels on their own.
+
+All of them return the same bits as the pure-JAX reference (`echo_jax.quant`,
+`echo_jax.collective.xla_allreduce`, `echo_jax.compensator`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from echo_jax import compensator as comp
+from echo_jax import quant
+from echo_jax.config import EchoConfig
+
+POLICY_CODES = {"asym": 0, "sym": 1, "asym_naive": 2}
+MAX_RANKS = 8
+
+#: Seconds a rank waits for a peer before giving up (default 10; shared with the CPU handler).
+TIMEOUT_ENV = "ECHO_JAX_TIMEOUT_S"
+
+
+def timeout_ms() -> int:
+    """The bound on every wait for a peer, read when a call is traced."""
+    text = os.environ.get(TIMEOUT_ENV, "10")
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {text!r}") from None
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be positive, got {text!r}")
+    return max(1, int(seconds * 1000))
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    from echo_jax import _ffi_cuda  # built by CMake when nvcc is found
+    return _ffi_cuda
+
+
+def available() -> bool:
+    """Whether the CUDA handlers are built and a GPU is present."""
+    try:
+        _module()
+    except ImportError:
+        return False
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def register() -> None:
+    """Registers the CUDA targets with XLA (once; after the GPU backend is initialised)."""
+    jax.devices("gpu")
+    for name, capsule in _module().registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
+def _check(config: EchoConfig, num_ranks: int, where: str):
+    if not 1 <= num_ranks <= MAX_RANKS:
+        raise ValueError(f"{where}: the CUDA custom call supports 1..{MAX_RANKS} ranks per group, "
+                         f"got {num_ranks}; use transport='xla'")
+
+
+def _attrs(config: EchoConfig, num_ranks: int, state: bool):
+    a = dict(bits=np.int64(config.bits), group_size=np.int64(config.group_size),
+             policy=np.int64(POLICY_CODES[config.policy]), num_ranks=np.int64(num_ranks),
+             timeout_ms=np.int64(timeout_ms()))
+    if state:
+        k = comp.Coefficients.from_config(config)
+        a.update(ea=k.ea, eb=k.eb, b1=k.b1, c1=k.c1, b2=k.b2, c2=k.c2,
+                 inv_p=np.float32(1.0 / num_ranks))
+    return a
+
+
+def quantize(x, config: EchoConfig):
+    """Flat x (whole groups) -> (packed uint8 [G, g*b/8], params fp16 [G, 1|2]) on the GPU."""
+    register()
+    g = config.group_size
+    if x.size % g:
+        raise ValueError(f"quantize: {x.size} values is not a multiple of group_size {g}")
+    groups = x.size // g
+    np_ = quant.num_params(config.policy)
+    packed, params = jax.ffi.ffi_call(
+        "echo_quantize_cuda",
+        (jax.ShapeDtypeStruct((groups, g * config.bits // 8), jnp.uint8),
+         jax.ShapeDtypeStruct((groups, np_), jnp.uint16)))(
+        jnp.ravel(x), bits=np.int64(config.bits), group_size=np.int64(g),
+        policy=np.int64(POLICY_CODES[config.policy]))
+    return packed, jax.lax.bitcast_convert_type(params, jnp.float16)
+
+
+def dequantize(packed, params, config: EchoConfig):
+    """Inverse of `quantize`: fp32 [G * g]."""
+    register()
+    g = config.group_size
+    return jax.ffi.ffi_call(
+        "echo_dequantize_cuda", jax.ShapeDtypeStruct((packed.shape[0] * g,), jnp.float32))(
+        packed, jax.lax.bitcast_convert_type(params, jnp.uint16), bits=np.int64(config.bits),
+        group_size=np.int64(g), policy=np.int64(POLICY_CODES[config.policy]))
+
+
+def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None = None,
+                      absent_rank: int = -1):
+    """P virtual ranks on one GPU: x [P, ...] -> y [P, ...] (and the new state [P, ...]).
+
+    Same bits as `jax.vmap(echo_psum, axis_name=...)` with transport "xla". `absent_rank` (tests
+    only) leaves one rank out, so the others must time out; the group is unusable afterwards.
+    """
+    register()
+    num_ranks = x.shape[0]
+    _check(config, num_ranks, "virtual_allreduce")
+    flat = x.reshape(num_ranks, -1)
+    y_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
+    if state is None:
+        y = jax.ffi.ffi_call("echo_allreduce_virtual_cuda", y_type)(
+            flat, absent_rank=np.int64(absent_rank), **_attrs(config, num_ranks, False))
+        return y.reshape(x.shape)
+    m_type = jax.ShapeDtypeStruct(flat.shape, jnp.float32)
+    y, m1, m2 = jax.ffi.ffi_call(
+        "echo_allreduce_virtual_comp_cuda", (y_type, m_type, m_type),
+        input_output_aliases={1: 1, 2: 2})(
+        flat, state.m1.reshape(flat.shape), state.m2.reshape(flat.shape),
+        **_attrs(config, num_ranks, True))
+    return y.reshape(x.shape), comp.CompensatorState(m1.reshape(x.shape), m2.reshape(x.shape))
+
+
+def mesh_groups(axis, num_ranks: int) -> np.ndarray | None:
+    """Local device ordinals of every group along `axis` of the concrete mesh, [groups, P].
+
+    None when no concrete mesh is set (use `jax.set_mesh(mesh)`), or when a device of the mesh
+    is not a local GPU.
+    """
+    from jax._src import mesh as mesh_lib  # the concrete mesh of jax.set_mesh
+    mesh = mesh_lib.get_concrete_mesh()
+    if mesh is None or not mesh.shape or axis not in mesh.axis_names:
+        return None
+    devices = mesh.devices
+    if any(d.platform != "gpu" or d.process_index != jax.process_index() for d in devices.flat):
+        return None
+    ordinals = np.vectorize(lambda d: d.local_hardware_id)(devices)
+    ordinals = np.moveaxis(ordinals, mesh.axis_names.index(axis), -1).reshape(-1, num_ranks)
+    return ordinals.astype(np.int64)
+
+
+def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None):
+    """One rank's Echo all-reduce on its GPU, inside shard_map (under `jax.set_mesh`)."""
+    register()
+    _check(config, num_ranks, "rank_allreduce")
+    groups = mesh_groups(axis, num_ranks)
+    if groups is None:
+        raise ValueError("transport='p2p' on GPUs needs the concrete mesh: call inside "
+                         "`with jax.set_mesh(mesh):` over local GPUs, or use transport='auto'")
+    attrs = _attrs(config, num_ranks, state is not None)
+    attrs["groups"] = groups.reshape(-1)
+    y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if state is None:
+        return jax.ffi.ffi_call("echo_allreduce_cuda", y_type)(x, **attrs)
+    m_type = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    y, m1, m2 = jax.ffi.ffi_call("echo_allreduce_comp_cuda", (y_type, m_type, m_type),
+                                 input_output_aliases={1: 1, 2: 2})(x, state.m1, state.m2, **attrs)
+    return y, comp.CompensatorState(m1, m2)
+
+
+__all__ = ["available", "register", "quantize", "dequantize", "virtual_allreduce",
+           "rank_allreduce", "mesh_groups", "TIMEOUT_ENV"]

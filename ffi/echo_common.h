@@ -1,0 +1,400 @@
+// Shared arithmetic of the Echo wire format and compensator (host C++ and CUDA device code).
+//
+// This header is the C++ transcription of the formulas in echo_jax/quant.py's module docstring
+// (the one definition of the wire format) and of echo_jax/compensator.py. Every function here
+// reproduces the pure-JAX reference bit for bit, including the order of operations, so that the
+// "p2p" custom call and the "xla" transport return the same bits.
+//
+// Rules that make the bits match:
+//   * All arithmetic is IEEE fp32 with round-to-nearest-even, no fused multiply-add. Host code is
+//     compiled with -ffp-contract=off (see CMakeLists.txt) and device code goes through the
+//     __fmul_rn / __fadd_rn intrinsics (mul_rn / add_rn / sub_rn below), which nvcc never
+//     contracts. Where the JAX reference uses `_no_fma` the product is rounded before the sum.
+//   * fp32 <-> fp16 conversions are done in software on the bit patterns (round to nearest even,
+//     correct for subnormals, infinities and NaNs), so they do not depend on F16C, on the CUDA
+//     half intrinsics or on the denormal mode of the FPU.
+//   * rne() rounds half to even (jnp.round): std::nearbyint on the host (XLA runs its CPU thunks
+//     with the default round-to-nearest mode), rintf on the device.
+//   * The reciprocal is the correctly rounded 1/s (0 when s == 0), computed once per group.
+#ifndef ECHO_JAX_FFI_ECHO_COMMON_H_
+#define ECHO_JAX_FFI_ECHO_COMMON_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define ECHO_HD __host__ __device__ __forceinline__
+#else
+#include <cmath>
+#define ECHO_HD inline
+#endif
+
+namespace echo {
+
+// Policy codes of the FFI attribute "policy"; the order of echo_jax.quant.POLICIES.
+enum Policy : int { kPolicyAsym = 0, kPolicySym = 1, kPolicyAsymNaive = 2 };
+
+// Limits shared by the handlers and the Python wrapper (echo_jax/p2p.py checks them first).
+constexpr int kMaxRanks = 256;             // ranks per group (num_ranks)
+constexpr int kMaxGroupSize = 1 << 16;     // values per quantization group (group_size)
+constexpr int64_t kMaxSegmentElems = (int64_t{1} << 31) - 1;  // segment_groups * group_size
+
+// fp16 bit patterns used by the wire format.
+constexpr uint16_t kF16NaN = 0x7E00;       // jnp.float16(jnp.nan): the scale of a non-finite group
+constexpr uint16_t kF16MinusOne = 0xBC00;  // -1.0: the zero-point of a constant asym group
+
+// ----------------------------------------------------------------------------------------------
+// Bit casts and IEEE fp32 operations without contraction.
+// ----------------------------------------------------------------------------------------------
+
+ECHO_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+ECHO_HD float f32_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+// Rounded product / sum / difference. On the device the _rn intrinsics are never fused into an
+// FMA by nvcc; on the host -ffp-contract=off gives the same guarantee for plain operators.
+ECHO_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+ECHO_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+ECHO_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+ECHO_HD bool is_finite(float f) { return (f32_bits(f) & 0x7F800000u) != 0x7F800000u; }
+
+// jnp.abs: clears the sign bit (|-0| = +0).
+ECHO_HD float abs_f(float f) { return f32_from_bits(f32_bits(f) & 0x7FFFFFFFu); }
+
+// Round to the nearest integer, ties to even (jnp.round).
+ECHO_HD float rne(float v) {
+#if defined(__CUDA_ARCH__)
+  return rintf(v);
+#else
+  return std::nearbyint(v);
+#endif
+}
+
+// jnp.minimum / jnp.maximum / jnp.clip with XLA's semantics (IEEE 754-2019 minimum/maximum):
+// NaN propagates and -0 < +0, so the result does not depend on the operand order (XLA reduces a
+// group in an unspecified order; a group mixing +0 and -0 must still give the same lo and hi).
+ECHO_HD float min_f(float a, float b) {
+  if (a != a) return a;
+  if (b != b) return b;
+  if (a == b) return (f32_bits(a) & 0x80000000u) ? a : b;  // equal: prefer -0
+  return b < a ? b : a;
+}
+ECHO_HD float max_f(float a, float b) {
+  if (a != a) return a;
+  if (b != b) return b;
+  if (a == b) return (f32_bits(a) & 0x80000000u) ? b : a;  // equal: prefer +0
+  return b > a ? b : a;
+}
+ECHO_HD float clip_f(float v, float lo, float hi) { return min_f(max_f(v, lo), hi); }
+
+// 1/s, correctly rounded, and 0 when s == 0 (quant._reciprocal).
+ECHO_HD float reciprocal(float s) {
+  if (s == 0.0f) return 0.0f;
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(s);
+#else
+  return 1.0f / s;
+#endif
+}
+
+// ----------------------------------------------------------------------------------------------
+// fp16 <-> fp32 in software.
+// ----------------------------------------------------------------------------------------------
+
+// fp32 -> fp16, round to nearest, ties to even (the astype(float16) of the reference).
+ECHO_HD uint16_t f32_to_f16(float f) {
+  const uint32_t x = f32_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t a = x & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) {  // NaN: keep the top payload bits, force a quiet NaN
+    return static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x03FFu));
+  }
+  if (a >= 0x477FF000u) {  // >= 65520 (halfway between 65504 and 2^16) rounds to infinity
+    return static_cast<uint16_t>(sign | 0x7C00u);
+  }
+  if (a >= 0x38800000u) {  // >= 2^-14: a normal fp16
+    // Rebias the exponent (127 -> 15) and round the 13 dropped mantissa bits to nearest even;
+    // a carry out of the mantissa correctly bumps the exponent.
+    const uint32_t odd = (a >> 13) & 1u;
+    const uint32_t r = a + 0xC8000FFFu + odd;  // 0xC8000000 == -(112 << 23) mod 2^32
+    return static_cast<uint16_t>(sign | (r >> 13));
+  }
+  if (a <= 0x33000000u) {  // <= 2^-25: half the smallest subnormal or less rounds to (signed) 0
+    return sign;
+  }
+  // fp16 subnormal: value = m * 2^(e - 150) and the fp16 unit is 2^-24.
+  const uint32_t e = a >> 23;                       // 102 .. 112
+  const uint32_t m = (a & 0x007FFFFFu) | 0x00800000u;
+  const uint32_t shift = 126u - e;                  // 14 .. 24
+  uint32_t q = m >> shift;
+  const uint32_t rem = m & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (q & 1u))) ++q;  // may carry into the smallest normal: fine
+  return static_cast<uint16_t>(sign | q);
+}
+
+// fp16 -> fp32 (exact; a NaN stays a NaN with its payload, quieted like the hardware does).
+ECHO_HD float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu;
+  uint32_t m = h & 0x03FFu;
+  if (e == 0x1Fu) {
+    return f32_from_bits(sign | 0x7F800000u | (m << 13) | (m ? 0x00400000u : 0u));
+  }
+  if (e == 0) {
+    if (m == 0) return f32_from_bits(sign);
+    // Subnormal fp16: normalise (the result is a normal fp32).
+    int32_t exp = 113;  // 127 - 15 + 1
+    while ((m & 0x0400u) == 0) {
+      m <<= 1;
+      --exp;
+    }
+    m &= 0x03FFu;
+    return f32_from_bits(sign | (static_cast<uint32_t>(exp) << 23) | (m << 13));
+  }
+  return f32_from_bits(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+ECHO_HD bool f16_is_finite(uint16_t h) { return (h & 0x7C00u) != 0x7C00u; }
+
+// jnp.nextafter(h, +inf) on an fp16 bit pattern that is not NaN or +inf.
+ECHO_HD uint16_t f16_next_up(uint16_t h) {
+  if (h == 0x8000u) return 0x0001u;           // -0 -> smallest positive subnormal
+  if (h & 0x8000u) return static_cast<uint16_t>(h - 1u);  // negative: magnitude shrinks
+  return static_cast<uint16_t>(h + 1u);       // positive (0x7BFF -> 0x7C00 = +inf)
+}
+
+// quant.f16_round_up: for v >= 0 the smallest fp16 >= v (NaN stays NaN, overflow gives inf).
+ECHO_HD uint16_t f16_round_up(float v) {
+  const uint16_t h = f32_to_f16(v);
+  return f16_to_f32(h) < v ? f16_next_up(h) : h;  // false for NaN: stays NaN
+}
+
+// ----------------------------------------------------------------------------------------------
+// Group quantizer (quant.quantize_groups / quant.dequantize_groups).
+// ----------------------------------------------------------------------------------------------
+
+ECHO_HD int num_params(int policy) { return policy == kPolicySym ? 1 : 2; }
+ECHO_HD int code_bytes(int group_size, int bits) { return group_size * bits / 8; }
+
+// Running statistics of one group, fed value by value in index order.
+struct GroupStats {
+  float lo;
+  float hi;
+  bool finite;
+};
+
+ECHO_HD GroupStats stats_init() { return GroupStats{0.0f, 0.0f, true}; }
+
+ECHO_HD void stats_add(GroupStats& st, float v, bool first) {
+  if (!is_finite(v)) st.finite = false;
+  if (first) {
+    st.lo = v;
+    st.hi = v;
+  } else {
+    st.lo = min_f(st.lo, v);
+    st.hi = max_f(st.hi, v);
+  }
+}
+
+// Everything the encoder needs for one group, plus the fp16 parameters that go on the wire.
+struct QuantParams {
+  float s;        // fp32 value of the stored scale
+  float r;        // 1/s (0 when s == 0)
+  float m;        // asym: -(z * s); sym: unused
+  uint16_t s16;   // wire scale (kF16NaN for a non-finite group)
+  uint16_t z16;   // wire zero-point (asym only; 0 for a non-finite group)
+  bool ok;        // false: non-finite group, every code is 0 and it dequantizes to NaN
+};
+
+// The per-group parameters of quant.quantize_groups, from the group's statistics.
+ECHO_HD QuantParams make_params(const GroupStats& st, int bits, int policy) {
+  QuantParams p{0.0f, 0.0f, 0.0f, kF16NaN, 0, false};
+  if (!st.finite) return p;  // the reference zeroes the group, then replaces the parameters
+  const float lo = st.lo;
+  const float hi = st.hi;
+  const float amax = max_f(abs_f(lo), abs_f(hi));
+  const bool constant = lo == hi;
+  if (policy == kPolicySym) {
+    const int qmax = (1 << (bits - 1)) - 1;
+    // f32(1/Q): the Python constant np.float32(1.0 / qmax), rounded once from double.
+    const float inv_q = static_cast<float>(1.0 / static_cast<double>(qmax));
+    const uint16_t s16 = constant ? f32_to_f16(amax) : f16_round_up(mul_rn(amax, inv_q));
+    p.s = f16_to_f32(s16);
+    p.r = reciprocal(p.s);
+    p.ok = is_finite(p.s);
+    p.s16 = p.ok ? s16 : kF16NaN;
+    p.z16 = 0;
+    return p;
+  }
+  const int levels = (1 << bits) - 1;
+  const float inv_m = static_cast<float>(1.0 / static_cast<double>(levels));
+  const float floor_scale = 0.0009765625f;  // 2^-10, exact
+  const float s_raw = max_f(mul_rn(sub_rn(hi, lo), inv_m), mul_rn(amax, floor_scale));
+  const uint16_t s16 = constant ? f32_to_f16(lo) : f16_round_up(s_raw);
+  const float s = f16_to_f32(s16);
+  const float r = reciprocal(s);
+  const float zn = mul_rn(-lo, r);  // naive zero-point: the grid starts at the minimum
+  float z = zn;
+  if (policy == kPolicyAsym) {
+    // Zero-aware blend (quant.py docstring): e = min(-lo, hi) * r is how many grid steps zero
+    // lies inside [lo, hi]; w = clip(2e - 1, 0, 1) (2e is exact, so contraction could not change
+    // it either); z = zn + w * (rne(zn) - zn), the product rounded before the sum (`_no_fma`).
+    const float e = mul_rn(min_f(-lo, hi), r);
+    const float w = clip_f(sub_rn(mul_rn(e, 2.0f), 1.0f), 0.0f, 1.0f);
+    const float step = sub_rn(rne(zn), zn);
+    z = add_rn(zn, mul_rn(w, step));
+  }
+  const uint16_t z16 = constant ? kF16MinusOne : f32_to_f16(z);
+  const float zf = f16_to_f32(z16);
+  p.s = s;
+  p.r = r;
+  p.m = -mul_rn(zf, s);  // exact: both factors are fp16 values
+  p.ok = is_finite(s) && is_finite(zf);
+  p.s16 = p.ok ? s16 : kF16NaN;
+  p.z16 = p.ok ? z16 : uint16_t{0};
+  return p;
+}
+
+// The b-bit code of one value of a finite group (quant.quantize_groups, before packing).
+ECHO_HD uint8_t encode_value(float x, const QuantParams& p, int bits, int policy) {
+  if (!p.ok) return 0;
+  if (policy == kPolicySym) {
+    const float qmax = static_cast<float>((1 << (bits - 1)) - 1);
+    const float q = clip_f(rne(mul_rn(x, p.r)), -qmax, qmax);
+    return static_cast<uint8_t>(static_cast<int>(add_rn(q, qmax + 1.0f)));
+  }
+  const float levels = static_cast<float>((1 << bits) - 1);
+  const float q = clip_f(rne(mul_rn(sub_rn(x, p.m), p.r)), 0.0f, levels);
+  return static_cast<uint8_t>(static_cast<int>(q));
+}
+
+// Decoder constants of one group: x_hat = code * s + m (quant.dequantize_groups).
+struct DequantParams {
+  float s;
+  float m;
+};
+
+ECHO_HD DequantParams dequant_params(const uint16_t* params, int bits, int policy) {
+  const float s = f16_to_f32(params[0]);
+  const float z = policy == kPolicySym ? static_cast<float>(1 << (bits - 1))
+                                       : f16_to_f32(params[1]);
+  return DequantParams{s, -mul_rn(z, s)};
+}
+
+ECHO_HD float decode_value(uint8_t code, const DequantParams& d) {
+  // code * s is exact (at most 8 x 11 significant bits), so this equals the fused form too.
+  return add_rn(mul_rn(static_cast<float>(code), d.s), d.m);
+}
+
+// The k-th code of a packed group: 4 bits are two codes a byte, code 2k in the low nibble.
+ECHO_HD uint8_t unpack_code(const uint8_t* packed, int k, int bits) {
+  if (bits == 8) return packed[k];
+  const uint8_t byte = packed[k >> 1];
+  return (k & 1) ? static_cast<uint8_t>(byte >> 4) : static_cast<uint8_t>(byte & 0x0F);
+}
+
+// Quantizes one group of g fp32 values into packed codes (g*bits/8 bytes) and its fp16
+// parameters (1 for sym, 2 for asym), exactly like quant.quantize_groups.
+ECHO_HD void quantize_group(const float* x, int g, int bits, int policy, uint8_t* packed,
+                            uint16_t* params) {
+  GroupStats st = stats_init();
+  for (int k = 0; k < g; ++k) stats_add(st, x[k], k == 0);
+  const QuantParams p = make_params(st, bits, policy);
+  params[0] = p.s16;
+  if (policy != kPolicySym) params[1] = p.z16;
+  if (bits == 8) {
+    for (int k = 0; k < g; ++k) packed[k] = encode_value(x[k], p, bits, policy);
+  } else {
+    for (int k = 0; k < g; k += 2) {
+      const uint8_t lo = encode_value(x[k], p, bits, policy);
+      const uint8_t hi = encode_value(x[k + 1], p, bits, policy);
+      packed[k >> 1] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+}
+
+// Dequantizes one packed group into g fp32 values (quant.dequantize_groups).
+ECHO_HD void dequantize_group(const uint8_t* packed, const uint16_t* params, int g, int bits,
+                              int policy, float* out) {
+  const DequantParams d = dequant_params(params, bits, policy);
+  for (int k = 0; k < g; ++k) out[k] = decode_value(unpack_code(packed, k, bits), d);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Compensator (echo_jax/compensator.py, Algorithm 1 of the Echo paper).
+// ----------------------------------------------------------------------------------------------
+
+// fp32 coefficients, each rounded once from float64 in Python (compensator.Coefficients), plus
+// inv_p = f32(1/P). They arrive as FFI attributes so that no rounding happens twice.
+struct CompCoeffs {
+  float ea;     // eta * a
+  float eb;     // eta * (1 - a)
+  float b1;     // beta1
+  float c1;     // 1 - beta1
+  float b2;     // beta2
+  float c2;     // 1 - beta2
+  float inv_p;  // 1 / P
+};
+
+// Eq. 10: x' = x + ((eta a) m1 + (eta (1-a)) m2), both products rounded before the sums.
+ECHO_HD float comp_apply(float x, float m1, float m2, const CompCoeffs& k) {
+  const float p1 = mul_rn(k.ea, m1);
+  const float p2 = mul_rn(k.eb, m2);
+  return add_rn(x, add_rn(p1, p2));
+}
+
+// Eq. 4 and Eq. 11: u = x' - y * (1/P); m1 = b1 m1 + c1 u; m2 = b2 m2 + c2 u (rounded products).
+ECHO_HD void comp_update(float x_prime, float y, float m1, float m2, const CompCoeffs& k,
+                         float* m1_out, float* m2_out) {
+  const float t = mul_rn(y, k.inv_p);
+  const float u = sub_rn(x_prime, t);
+  const float q1 = mul_rn(k.b1, m1);
+  const float r1 = mul_rn(k.c1, u);
+  const float q2 = mul_rn(k.b2, m2);
+  const float r2 = mul_rn(k.c2, u);
+  *m1_out = add_rn(q1, r1);
+  *m2_out = add_rn(q2, r2);
+}
+
+}  // namespace echo
+
+#endif  // ECHO_JAX_FFI_ECHO_COMMON_H_

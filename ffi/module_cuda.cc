@@ -1,0 +1,34 @@
+// nanobind module echo_jax._ffi_cuda: the capsules of the CUDA handlers (built only with nvcc).
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+extern "C" {
+XLA_FFI_Error* echo_allreduce_cuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* echo_allreduce_comp_cuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* echo_allreduce_virtual_cuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* echo_allreduce_virtual_comp_cuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* echo_quantize_cuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* echo_dequantize_cuda(XLA_FFI_CallFrame*);
+}
+
+template <typename F>
+nb::capsule encapsulate(F* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+NB_MODULE(_ffi_cuda, m) {
+  m.doc() = "CUDA XLA FFI handlers of the Echo all-reduce (see echo_jax/p2p_cuda.py)";
+  m.def("registrations", []() {
+    nb::dict d;
+    d["echo_allreduce_cuda"] = encapsulate(echo_allreduce_cuda);
+    d["echo_allreduce_comp_cuda"] = encapsulate(echo_allreduce_comp_cuda);
+    d["echo_allreduce_virtual_cuda"] = encapsulate(echo_allreduce_virtual_cuda);
+    d["echo_allreduce_virtual_comp_cuda"] = encapsulate(echo_allreduce_virtual_comp_cuda);
+    d["echo_quantize_cuda"] = encapsulate(echo_quantize_cuda);
+    d["echo_dequantize_cuda"] = encapsulate(echo_dequantize_cuda);
+    return d;
+  });
+}

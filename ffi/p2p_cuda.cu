@@ -1,0 +1,1000 @@
+// The Echo all-reduce as a CUDA XLA FFI custom call (the Echo paper Sec. 4, 5.3 and App. C).
+//
+// One fused kernel per rank and call runs the four stages of the protocol over tiles of the
+// segments, so the quantization of one tile overlaps the NVLink writes of others:
+//   push    quantize tile t of segment j (j != me) and write codes + fp16 parameters straight into
+//           owner j's receive slot for this rank, then raise j's push flag (me, t) to `base`;
+//   reduce  wait until every peer's push flag (r, t) reached `base`, add the P-1 dequantized copies
+//           and the own full-precision tile in fp32 in rank order 0..P-1, quantize the sum once;
+//   gather  write that code into every rank's gather slot for this owner, raise each peer's gather
+//           flag (me, t) to `base + 2`, dequantize it for the own output;
+//   tail    wait for gather flag (j, t) >= base + 2 and dequantize owner j's code.
+// The compensator (Algorithm 1) is fused: the entry loads apply x' = x + c in registers (x' never
+// goes to memory) and the update of m1/m2 runs where y is produced (reduce for the own segment,
+// tail for the others), overlapped with the transfers of the other tiles, in place.
+//
+// Readiness crosses GPUs through flags in the receiver's memory: monotonic 64-bit words raised to
+// a per-call base that the host increases by 3 per call (push = base, gather = base + 2; the
+// reduce stage, base + 1 in the paper's four-stream schedule, runs in the same block as gather
+// here and needs no flag). A flag left from an earlier call is below every value the current call
+// polls for, so nothing is ever cleared and the host never waits on the readiness path.
+//
+// Slot reuse needs no extra flag either: a rank starts call c+1 only after its kernel of call c
+// ended, which required every owner's gather of call c, which in turn required that owner to have
+// consumed all push slots of call c; and an owner writes a peer's gather slot of call c+1 only
+// after that peer pushed for call c+1, i.e. after the peer finished reading its slots of call c.
+//
+// Kernel blocks are persistent (grid no larger than what is resident), because a block that polls
+// must never wait for a block of the same grid that has not been scheduled yet.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "echo_common.h"
+#include "echo_cuda.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace echo {
+namespace cuda {
+namespace {
+
+constexpr int kMaxCudaRanks = 8;     // ranks of one group on one host (NVLink domain)
+constexpr int kThreads = 256;        // 8 warps per block: one group per warp at a time
+constexpr int kTileValues = 8192;    // values per tile at most (4 KiB of 4-bit codes)
+constexpr int kMinTilesPerSegment = 64;
+constexpr int kMaxTiles = 16384;     // flag words per (peer, stage) in a workspace
+constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce stage
+
+// Error codes written to the host-mapped error word (1 + stage * 256 + peer).
+enum Stage : int { kStagePush = 0, kStageGather = 1 };
+
+struct KernelArgs {
+  const void* x;      // this rank's contribution [n] (T)
+  void* y;            // this rank's output [n] (T)
+  float* m1;          // compensator state [n] or nullptr
+  float* m2;
+  int64_t n;
+  int64_t seg_groups;  // Gs: groups per segment
+  int me, P, g, bits, policy;
+  int tile_groups;     // groups per tile
+  int64_t tile0;       // first segment tile of this chunk
+  int chunk_tiles;     // tiles of each segment in this chunk
+  int64_t slot_bytes;  // bytes of one receive slot
+  int64_t params_offset;  // offset of the fp16 parameters inside a slot
+  uint64_t base;       // flag base of this call (raised by 3 per call)
+  uint64_t timeout_ns;
+  int* error;          // host-mapped error word of this rank
+  CompCoeffs k;
+  uint8_t* ws[kMaxCudaRanks];  // workspace base of every rank (peer pointers)
+};
+
+// Workspace layout (per rank): P push slots, P gather slots, then the flags and the abort word.
+__host__ __device__ inline int64_t push_slot(int src, int64_t slot_bytes) { return src * slot_bytes; }
+__host__ __device__ inline int64_t gather_slot(int owner, int P, int64_t slot_bytes) {
+  return (P + owner) * slot_bytes;
+}
+__host__ __device__ inline int64_t flags_offset(int P, int64_t slot_bytes) { return 2 * P * slot_bytes; }
+__host__ __device__ inline int64_t flag_index(int stage, int peer, int tile) {
+  return (static_cast<int64_t>(stage) * kMaxCudaRanks + peer) * kMaxTiles + tile;
+}
+__host__ __device__ inline int64_t abort_offset(int P, int64_t slot_bytes) {
+  return flags_offset(P, slot_bytes) + 2 * kMaxCudaRanks * kMaxTiles * sizeof(uint64_t);
+}
+inline int64_t workspace_bytes(int P, int64_t slot_bytes) { return abort_offset(P, slot_bytes) + 256; }
+
+__device__ __forceinline__ uint64_t* flag_ptr(const KernelArgs& a, int rank, int stage, int peer,
+                                              int tile) {
+  return reinterpret_cast<uint64_t*>(a.ws[rank] + flags_offset(a.P, a.slot_bytes)) +
+         flag_index(stage, peer, tile);
+}
+__device__ __forceinline__ volatile unsigned* abort_ptr(const KernelArgs& a, int rank) {
+  return reinterpret_cast<volatile unsigned*>(a.ws[rank] + abort_offset(a.P, a.slot_bytes));
+}
+
+// Polls a flag until it reaches `want`; false on timeout or when another block gave up. On a
+// timeout it records which stage waited for which peer and tells every rank to stop.
+__device__ bool wait_flag(const KernelArgs& a, const uint64_t* f, uint64_t want, int stage,
+                          int peer) {
+  const uint64_t start = global_timer_ns();
+  while (ld_acquire_sys(f) < want) {
+    if (*abort_ptr(a, a.me) == a.base) return false;
+    if (global_timer_ns() - start > a.timeout_ns) {
+      atomicCAS(a.error, 0, 1 + stage * 256 + peer);
+      for (int r = 0; r < a.P; ++r) *abort_ptr(a, r) = static_cast<unsigned>(a.base);
+      __threadfence_system();
+      return false;
+    }
+    __nanosleep(64);
+  }
+  return true;
+}
+
+// Loads VEC contribution values at element i, with the compensator's apply step (Eq. 10) in
+// registers when COMP; the padding beyond n is 0 (not compensated, as in the reference).
+template <typename T, int VEC, bool COMP>
+__device__ __forceinline__ void load_contrib(const KernelArgs& a, int64_t i, float* v) {
+  load_vec<T, VEC>(static_cast<const T*>(a.x), i, a.n, v);
+  if constexpr (COMP) {
+    float m1[VEC], m2[VEC];
+    load_vec<float, VEC>(a.m1, i, a.n, m1);
+    load_vec<float, VEC>(a.m2, i, a.n, m2);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k)
+      if (i + k < a.n) v[k] = comp_apply(v[k], m1[k], m2[k], a.k);
+  }
+}
+
+// Stores the output and, when COMP, updates m1/m2 in place (Eq. 4 and 11) from y in fp32.
+template <typename T, int VEC, bool COMP>
+__device__ __forceinline__ void store_output(const KernelArgs& a, int64_t i, const float* y) {
+  store_vec<T, VEC>(static_cast<T*>(a.y), i, a.n, y);
+  if constexpr (COMP) {
+    float xp[VEC], m1[VEC], m2[VEC], n1[VEC], n2[VEC];
+    load_contrib<T, VEC, true>(a, i, xp);
+    load_vec<float, VEC>(a.m1, i, a.n, m1);
+    load_vec<float, VEC>(a.m2, i, a.n, m2);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) comp_update(xp[k], y[k], m1[k], m2[k], a.k, &n1[k], &n2[k]);
+    store_vec<float, VEC>(a.m1, i, a.n, n1);
+    store_vec<float, VEC>(a.m2, i, a.n, n2);
+  }
+}
+
+__device__ __forceinline__ void stats_add_vec(GroupStats& st, const float* v, int cnt) {
+  for (int k = 0; k < cnt; ++k) {
+    if (!is_finite(v[k])) st.finite = false;
+    st.lo = min_f(st.lo, v[k]);
+    st.hi = max_f(st.hi, v[k]);
+  }
+}
+
+__device__ __forceinline__ GroupStats empty_stats() {
+  // Identities of min/max, so lanes without values do not change the warp's statistics.
+  return GroupStats{__int_as_float(0x7f800000), __int_as_float(0xff800000), true};
+}
+
+template <int VEC>
+__device__ __forceinline__ void encode_chunk(const float* v, const QuantParams& p, int bits,
+                                             int policy, uint8_t* dst) {
+  uint8_t codes[VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) codes[k] = encode_value(v[k], p, bits, policy);
+  store_codes<VEC>(dst, bits, codes);
+}
+
+template <int VEC>
+__device__ __forceinline__ void decode_chunk(const uint8_t* src, const DequantParams& d, int bits,
+                                             float* v) {
+  uint8_t codes[VEC];
+  load_codes<VEC>(src, bits, codes);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) v[k] = decode_value(codes[k], d);
+}
+
+// push: quantize group `grp` of segment `seg` into owner seg's push slot for this rank.
+template <typename T, int VEC, bool COMP>
+__device__ void push_group(const KernelArgs& a, int seg, int64_t grp, int64_t local, int lane) {
+  const int cb = a.g * a.bits / 8;
+  const int chunks = a.g / VEC;
+  const int64_t e0 = seg * a.seg_groups * a.g + grp * a.g;
+  GroupStats st = empty_stats();
+  float cache[kCacheChunks][VEC];  // one pass over x (and m1, m2) when the group fits
+  for (int c = lane, i = 0; c < chunks; c += kWarp, ++i) {
+    float v[VEC];
+    load_contrib<T, VEC, COMP>(a, e0 + c * VEC, v);
+    stats_add_vec(st, v, VEC);
+    if (i < kCacheChunks) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) cache[i][k] = v[k];
+    }
+  }
+  warp_stats(st);
+  const QuantParams p = make_params(st, a.bits, a.policy);
+  uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
+  uint8_t* codes = slot + local * cb;
+  if (lane == 0) {
+    uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset) + local * num_params(a.policy);
+    prm[0] = p.s16;
+    if (a.policy != kPolicySym) prm[1] = p.z16;
+  }
+  for (int c = lane, i = 0; c < chunks; c += kWarp, ++i) {
+    float v[VEC];
+    if (i < kCacheChunks) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) v[k] = cache[i][k];
+    } else {
+      load_contrib<T, VEC, COMP>(a, e0 + c * VEC, v);  // large groups: a second (cached) read
+    }
+    encode_chunk<VEC>(v, p, a.bits, a.policy, codes + c * VEC * a.bits / 8);
+  }
+}
+
+// One value chunk of the owner's fp32 sum, in rank order with its own contribution in place.
+template <typename T, int VEC, bool COMP>
+__device__ __forceinline__ void sum_chunk(const KernelArgs& a, int64_t e, int64_t local, int c,
+                                          float* acc) {
+  const int cb = a.g * a.bits / 8;
+  const int np = num_params(a.policy);
+  for (int r = 0; r < a.P; ++r) {
+    float v[VEC];
+    if (r == a.me) {
+      load_contrib<T, VEC, COMP>(a, e, v);
+    } else {
+      const uint8_t* slot = a.ws[a.me] + push_slot(r, a.slot_bytes);
+      const DequantParams d = load_dequant_params(
+          reinterpret_cast<const uint16_t*>(slot + a.params_offset) + local * np, a.bits, a.policy);
+      decode_chunk<VEC>(slot + local * cb + c * VEC * a.bits / 8, d, a.bits, v);
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[k] = r == 0 ? v[k] : add_rn(acc[k], v[k]);
+  }
+}
+
+// reduce + gather of one group of the own segment.
+template <typename T, int VEC, bool COMP>
+__device__ void reduce_group(const KernelArgs& a, int64_t grp, int64_t local, int lane) {
+  const int cb = a.g * a.bits / 8;
+  const int np = num_params(a.policy);
+  const int chunks = a.g / VEC;
+  const int64_t e0 = a.me * a.seg_groups * a.g + grp * a.g;
+  float cache[kCacheChunks][VEC];
+  GroupStats st = empty_stats();
+  for (int c = lane, i = 0; c < chunks; c += kWarp, ++i) {
+    float acc[VEC];
+    sum_chunk<T, VEC, COMP>(a, e0 + c * VEC, local, c, acc);
+    stats_add_vec(st, acc, VEC);
+    if (i < kCacheChunks) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) cache[i][k] = acc[k];
+    }
+  }
+  warp_stats(st);
+  const QuantParams p = make_params(st, a.bits, a.policy);
+  if (lane < a.P) {  // the parameters go to every rank's gather slot for this owner
+    uint16_t* prm = reinterpret_cast<uint16_t*>(a.ws[lane] + gather_slot(a.me, a.P, a.slot_bytes) +
+                                                a.params_offset) + local * np;
+    prm[0] = p.s16;
+    if (a.policy != kPolicySym) prm[1] = p.z16;
+  }
+  uint16_t prm_local[2] = {p.s16, p.z16};
+  const DequantParams d = dequant_params(prm_local, a.bits, a.policy);
+  for (int c = lane, i = 0; c < chunks; c += kWarp, ++i) {
+    float acc[VEC];
+    if (i < kCacheChunks) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[k] = cache[i][k];
+    } else {
+      sum_chunk<T, VEC, COMP>(a, e0 + c * VEC, local, c, acc);
+    }
+    uint8_t codes[VEC];
+    float y[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      codes[k] = encode_value(acc[k], p, a.bits, a.policy);
+      y[k] = decode_value(codes[k], d);  // the owner decodes the same code its peers receive
+    }
+    const int64_t byte = local * cb + c * VEC * a.bits / 8;
+    for (int r = 0; r < a.P; ++r)
+      store_codes<VEC>(a.ws[r] + gather_slot(a.me, a.P, a.slot_bytes) + byte, a.bits, codes);
+    store_output<T, VEC, COMP>(a, e0 + c * VEC, y);
+  }
+}
+
+// tail: dequantize one group of owner seg's reduced code.
+template <typename T, int VEC, bool COMP>
+__device__ void tail_group(const KernelArgs& a, int seg, int64_t grp, int64_t local, int lane) {
+  const int cb = a.g * a.bits / 8;
+  const int np = num_params(a.policy);
+  const int chunks = a.g / VEC;
+  const int64_t e0 = seg * a.seg_groups * a.g + grp * a.g;
+  const uint8_t* slot = a.ws[a.me] + gather_slot(seg, a.P, a.slot_bytes);
+  const DequantParams d = load_dequant_params(
+      reinterpret_cast<const uint16_t*>(slot + a.params_offset) + local * np, a.bits, a.policy);
+  for (int c = lane; c < chunks; c += kWarp) {
+    float y[VEC];
+    decode_chunk<VEC>(slot + local * cb + c * VEC * a.bits / 8, d, a.bits, y);
+    store_output<T, VEC, COMP>(a, e0 + c * VEC, y);
+  }
+}
+
+// The common case g == 32 * VEC (g = 128 with 128-bit loads): one value chunk per lane per group,
+// and kGroupsPerWarp groups per warp at a time, so each lane keeps several independent loads in
+// flight and the statistics / parameter chains of the groups interleave (one group at a time
+// leaves the memory system idle while the warp computes its parameters).
+constexpr int kGroupsPerWarp = 4;
+
+template <typename T, int VEC, bool COMP>
+__device__ void push_groups_multi(const KernelArgs& a, int seg, int64_t grp0, int64_t local0,
+                                  int count, int lane) {
+  const int cb = a.g * a.bits / 8;
+  const int np = num_params(a.policy);
+  float v[kGroupsPerWarp][VEC];
+#pragma unroll
+  for (int j = 0; j < kGroupsPerWarp; ++j)
+    if (j < count) load_contrib<T, VEC, COMP>(a, seg * a.seg_groups * a.g + (grp0 + j) * a.g + lane * VEC, v[j]);
+  uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
+#pragma unroll
+  for (int j = 0; j < kGroupsPerWarp; ++j) {
+    if (j >= count) break;
+    GroupStats st = empty_stats();
+    stats_add_vec(st, v[j], VEC);
+    warp_stats(st);
+    const QuantParams p = make_params(st, a.bits, a.policy);
+    if (lane == 0) {
+      uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset) + (local0 + j) * np;
+      prm[0] = p.s16;
+      if (a.policy != kPolicySym) prm[1] = p.z16;
+    }
+    encode_chunk<VEC>(v[j], p, a.bits, a.policy, slot + (local0 + j) * cb + lane * VEC * a.bits / 8);
+  }
+}
+
+template <typename T, int VEC, bool COMP>
+__device__ void tail_groups_multi(const KernelArgs& a, int seg, int64_t grp0, int64_t local0,
+                                  int count, int lane) {
+  const int cb = a.g * a.bits / 8;
+  const int np = num_params(a.policy);
+  const uint8_t* slot = a.ws[a.me] + gather_slot(seg, a.P, a.slot_bytes);
+  DequantParams d[kGroupsPerWarp];
+  uint8_t codes[kGroupsPerWarp][VEC];
+#pragma unroll
+  for (int j = 0; j < kGroupsPerWarp; ++j) {
+    if (j < count) {
+      d[j] = load_dequant_params(reinterpret_cast<const uint16_t*>(slot + a.params_offset) +
+                                     (local0 + j) * np, a.bits, a.policy);
+      load_codes<VEC>(slot + (local0 + j) * cb + lane * VEC * a.bits / 8, a.bits, codes[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kGroupsPerWarp; ++j) {
+    if (j >= count) break;
+    float y[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) y[k] = decode_value(codes[j][k], d[j]);
+    store_output<T, VEC, COMP>(a, seg * a.seg_groups * a.g + (grp0 + j) * a.g + lane * VEC, y);
+  }
+}
+
+template <typename T, int VEC, bool COMP>
+__global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) {
+  __shared__ int give_up;
+  const int warp = threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  const int warps = blockDim.x / kWarp;
+  const int others = a.P - 1;
+  const int ct = a.chunk_tiles;
+  const bool one_chunk = a.g == kWarp * VEC;
+  if (threadIdx.x == 0) give_up = 0;
+  __syncthreads();
+
+  // Tile t of the chunk covers segment groups [(tile0 + t) * TG, ...) clipped to Gs.
+  auto tile_groups = [&](int t, int64_t* first) {
+    *first = (a.tile0 + t) * a.tile_groups;
+    return static_cast<int>(min(static_cast<int64_t>(a.tile_groups), a.seg_groups - *first));
+  };
+
+  // push
+  for (int item = blockIdx.x; item < others * ct; item += gridDim.x) {
+    const int j = item / ct;
+    const int seg = j < a.me ? j : j + 1;
+    const int t = item % ct;
+    int64_t first;
+    const int count = tile_groups(t, &first);
+    const int64_t local = static_cast<int64_t>(t) * a.tile_groups;
+    if (one_chunk) {
+      for (int q = warp * kGroupsPerWarp; q < count; q += warps * kGroupsPerWarp)
+        push_groups_multi<T, VEC, COMP>(a, seg, first + q, local + q, min(kGroupsPerWarp, count - q), lane);
+    } else {
+      for (int q = warp; q < count; q += warps)
+        push_group<T, VEC, COMP>(a, seg, first + q, local + q, lane);
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) st_release_sys(flag_ptr(a, seg, kStagePush, a.me, t), a.base);
+  }
+
+  // reduce + gather
+  for (int t = blockIdx.x; t < ct; t += gridDim.x) {
+    if (threadIdx.x < a.P && threadIdx.x != a.me) {
+      if (!wait_flag(a, flag_ptr(a, a.me, kStagePush, threadIdx.x, t), a.base, kStagePush,
+                     threadIdx.x))
+        give_up = 1;
+    }
+    __syncthreads();
+    if (give_up) break;
+    int64_t first;
+    const int count = tile_groups(t, &first);
+    for (int q = warp; q < count; q += warps)
+      reduce_group<T, VEC, COMP>(a, first + q, static_cast<int64_t>(t) * a.tile_groups + q, lane);
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x < a.P && threadIdx.x != a.me)
+      st_release_sys(flag_ptr(a, threadIdx.x, kStageGather, a.me, t), a.base + 2);
+  }
+
+  // tail
+  for (int item = blockIdx.x; item < others * ct && !give_up; item += gridDim.x) {
+    const int j = item / ct;
+    const int seg = j < a.me ? j : j + 1;
+    const int t = item % ct;
+    if (threadIdx.x == 0 &&
+        !wait_flag(a, flag_ptr(a, a.me, kStageGather, seg, t), a.base + 2, kStageGather, seg))
+      give_up = 1;
+    __syncthreads();
+    if (give_up) break;
+    int64_t first;
+    const int count = tile_groups(t, &first);
+    const int64_t local = static_cast<int64_t>(t) * a.tile_groups;
+    if (one_chunk) {
+      for (int q = warp * kGroupsPerWarp; q < count; q += warps * kGroupsPerWarp)
+        tail_groups_multi<T, VEC, COMP>(a, seg, first + q, local + q, min(kGroupsPerWarp, count - q), lane);
+    } else {
+      for (int q = warp; q < count; q += warps)
+        tail_group<T, VEC, COMP>(a, seg, first + q, local + q, lane);
+    }
+  }
+
+  // After a timeout the output must not look valid: poison this block's grid-stride share.
+  __syncthreads();
+  if (*abort_ptr(a, a.me) == static_cast<unsigned>(a.base)) {
+    T* y = static_cast<T*>(a.y);
+    for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < a.n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+      y[i] = from_f32<T>(__int_as_float(0x7fc00000));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side: workspaces, groups, schedule cache.
+
+std::string cuda_error_text(cudaError_t e) { return std::string(cudaGetErrorString(e)); }
+
+#define ECHO_CUDA_RETURN(expr, what)                                                      \
+  do {                                                                                    \
+    cudaError_t echo_err_ = (expr);                                                       \
+    if (echo_err_ != cudaSuccess)                                                         \
+      return ffi::Error(ffi::ErrorCode::kInternal,                                        \
+                        std::string("echo_jax p2p (CUDA): ") + what + ": " +              \
+                            cuda_error_text(echo_err_));                                  \
+  } while (0)
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == 0) return fallback;
+  return std::strtoll(v, nullptr, 10);
+}
+
+// Bytes of one receive slot: ECHO_JAX_SLOT_MB (default 32 MiB). A workspace holds 2P slots, so a
+// group of P ranks takes 2 * P * slot bytes per device plus ~2 MiB of flags; messages whose
+// segment codes do not fit a slot run in several chunks.
+int64_t slot_bytes_from_env() { return std::max<int64_t>(1, env_int("ECHO_JAX_SLOT_MB", 32)) << 20; }
+
+struct LaunchPlan {
+  int vec = 1;
+  int tile_groups = 1;
+  int64_t tiles_per_segment = 0;
+  int chunk_tiles = 0;
+  int64_t params_offset = 0;
+  int grid = 1;
+};
+
+struct Group {
+  std::vector<int> devices;  // device ordinal of each rank (all equal for virtual ranks)
+  bool is_virtual = false;
+  int P = 0;
+  int64_t slot_bytes = 0;
+  std::vector<uint8_t*> ws;
+  std::vector<int*> host_error, dev_error;
+  std::vector<uint64_t> calls;
+  std::vector<cudaStream_t> streams;  // virtual ranks: one stream per rank
+  cudaEvent_t fork = nullptr;
+  std::vector<cudaEvent_t> joins;
+  std::vector<int> max_resident;      // blocks of kThreads resident per device
+  std::map<std::tuple<int, int, int, int, int64_t>, LaunchPlan> plans;  // the schedule cache
+  int registered = 0;
+  bool broken = false;
+  std::string broken_reason;
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+std::mutex g_registry_mu;
+std::map<std::string, std::unique_ptr<Group>> g_groups;
+
+Group* get_group(const std::string& key) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  auto& slot = g_groups[key];
+  if (!slot) slot = std::make_unique<Group>();
+  return slot.get();
+}
+
+template <typename T, int VEC, bool COMP>
+int resident_blocks(int device) {
+  int per_sm = 0, sms = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, echo_allreduce_kernel<T, VEC, COMP>,
+                                                kThreads, 0);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return std::max(1, per_sm) * std::max(1, sms);
+}
+
+// Allocates rank r's workspace on its device (before any of this group's kernels can spin).
+ffi::Error setup_rank_on_device(Group& grp, int r);
+
+ffi::Error setup_rank(Group& grp, int r) {
+  // XLA's thread keeps its current device: switch for the setup and back.
+  int previous = 0;
+  ECHO_CUDA_RETURN(cudaGetDevice(&previous), "cudaGetDevice");
+  ECHO_CUDA_RETURN(cudaSetDevice(grp.devices[r]), "cudaSetDevice");
+  ffi::Error err = setup_rank_on_device(grp, r);
+  cudaSetDevice(previous);
+  return err;
+}
+
+ffi::Error setup_rank_on_device(Group& grp, int r) {
+  const int64_t bytes = workspace_bytes(grp.P, grp.slot_bytes);
+  ECHO_CUDA_RETURN(cudaMalloc(&grp.ws[r], bytes), "workspace cudaMalloc");
+  ECHO_CUDA_RETURN(cudaMemset(grp.ws[r], 0, bytes), "workspace cudaMemset");
+  ECHO_CUDA_RETURN(cudaHostAlloc(&grp.host_error[r], sizeof(int), cudaHostAllocMapped),
+                   "error word cudaHostAlloc");
+  *grp.host_error[r] = 0;
+  ECHO_CUDA_RETURN(cudaHostGetDevicePointer(&grp.dev_error[r], grp.host_error[r], 0),
+                   "cudaHostGetDevicePointer");
+  if (!grp.is_virtual) {
+    for (int peer : grp.devices) {
+      if (peer == grp.devices[r]) continue;
+      int can = 0;
+      ECHO_CUDA_RETURN(cudaDeviceCanAccessPeer(&can, grp.devices[r], peer), "cudaDeviceCanAccessPeer");
+      if (!can)
+        return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                          "echo_jax p2p (CUDA): device " + std::to_string(grp.devices[r]) +
+                              " has no peer access to device " + std::to_string(peer) +
+                              "; use transport='xla' (auto does)");
+      cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+      else ECHO_CUDA_RETURN(e, "cudaDeviceEnablePeerAccess");
+    }
+  }
+  ECHO_CUDA_RETURN(cudaDeviceSynchronize(), "workspace setup");
+  return ffi::Error::Success();
+}
+
+std::string describe_error(int code, int rank) {
+  const int stage = (code - 1) / 256, peer = (code - 1) % 256;
+  std::ostringstream os;
+  os << "rank " << rank << " timed out in the " << (stage == kStagePush ? "reduce" : "tail")
+     << " stage waiting for rank " << peer
+     << (stage == kStagePush ? "'s push" : "'s gather")
+     << " (a peer never arrived); the group's workspace is no longer usable in this process";
+  return os.str();
+}
+
+struct CallAttrs {
+  int bits, g, policy, P;
+  int64_t timeout_ms;
+  CompCoeffs k;
+};
+
+template <typename T, bool COMP>
+ffi::Error plan_and_launch_t(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at,
+                             const void* x, void* y, float* m1, float* m2, int64_t n,
+                             uint64_t base, int grid_cap);
+
+LaunchPlan make_plan(const Group& grp, const CallAttrs& at, int64_t seg_groups, int resident) {
+  LaunchPlan pl;
+  pl.vec = at.g % 4 == 0 ? 4 : (at.g % 2 == 0 ? 2 : 1);
+  const int max_tg = std::max(1, kTileValues / at.g);
+  pl.tile_groups = static_cast<int>(std::clamp<int64_t>(
+      (seg_groups + kMinTilesPerSegment - 1) / kMinTilesPerSegment, 1, max_tg));
+  pl.tiles_per_segment = (seg_groups + pl.tile_groups - 1) / pl.tile_groups;
+  const int64_t cb = at.g * at.bits / 8;
+  const int64_t per_group = cb + 2 * num_params(at.policy);
+  const int64_t cap_groups = (grp.slot_bytes - 64) / per_group;
+  int64_t cap_tiles = std::min<int64_t>(cap_groups / pl.tile_groups, kMaxTiles);
+  pl.chunk_tiles = static_cast<int>(std::max<int64_t>(1, std::min(cap_tiles, pl.tiles_per_segment)));
+  pl.params_offset = ((static_cast<int64_t>(pl.chunk_tiles) * pl.tile_groups * cb + 15) / 16) * 16;
+  const int64_t items = (2 * (at.P - 1) + 1) * static_cast<int64_t>(pl.chunk_tiles);
+  pl.grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, resident)));
+  return pl;
+}
+
+template <typename T, int VEC, bool COMP>
+ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at,
+                  const LaunchPlan& pl, const void* x, void* y, float* m1, float* m2, int64_t n,
+                  int64_t seg_groups) {
+  KernelArgs a{};
+  a.x = x; a.y = y; a.m1 = m1; a.m2 = m2; a.n = n;
+  a.seg_groups = seg_groups;
+  a.me = rank; a.P = at.P; a.g = at.g; a.bits = at.bits; a.policy = at.policy;
+  a.tile_groups = pl.tile_groups;
+  a.slot_bytes = grp.slot_bytes;
+  a.params_offset = pl.params_offset;
+  a.timeout_ns = static_cast<uint64_t>(at.timeout_ms) * 1000000ull;
+  a.error = grp.dev_error[rank];
+  a.k = at.k;
+  for (int r = 0; r < at.P; ++r) a.ws[r] = grp.ws[r];
+  for (int64_t t0 = 0; t0 < pl.tiles_per_segment; t0 += pl.chunk_tiles) {
+    a.tile0 = t0;
+    a.chunk_tiles = static_cast<int>(std::min<int64_t>(pl.chunk_tiles, pl.tiles_per_segment - t0));
+    a.base = 3 * (++grp.calls[rank]);
+    echo_allreduce_kernel<T, VEC, COMP><<<pl.grid, kThreads, 0, stream>>>(a);
+  }
+  ECHO_CUDA_RETURN(cudaGetLastError(), "kernel launch");
+  return ffi::Error::Success();
+}
+
+template <typename T, bool COMP>
+ffi::Error run_rank(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at, const void* x,
+                    void* y, float* m1, float* m2, int64_t n, int ranks_on_device) {
+  const int64_t groups = (std::max<int64_t>(n, 1) + at.g - 1) / at.g;
+  const int64_t seg_groups = (groups + at.P - 1) / at.P;
+  const auto key = std::make_tuple(int(sizeof(T)), at.bits, at.policy, at.g, seg_groups);
+  LaunchPlan pl;
+  {
+    std::lock_guard<std::mutex> lock(grp.mu);
+    auto it = grp.plans.find(key);
+    if (it == grp.plans.end()) {
+      const int vec = at.g % 4 == 0 ? 4 : (at.g % 2 == 0 ? 2 : 1);
+      int resident = vec == 4 ? resident_blocks<T, 4, COMP>(grp.devices[rank])
+                   : vec == 2 ? resident_blocks<T, 2, COMP>(grp.devices[rank])
+                              : resident_blocks<T, 1, COMP>(grp.devices[rank]);
+      resident = std::max(1, resident / ranks_on_device);
+      it = grp.plans.emplace(key, make_plan(grp, at, seg_groups, resident)).first;
+    }
+    pl = it->second;
+  }
+  switch (pl.vec) {
+    case 4: return launch<T, 4, COMP>(grp, rank, stream, at, pl, x, y, m1, m2, n, seg_groups);
+    case 2: return launch<T, 2, COMP>(grp, rank, stream, at, pl, x, y, m1, m2, n, seg_groups);
+    default: return launch<T, 1, COMP>(grp, rank, stream, at, pl, x, y, m1, m2, n, seg_groups);
+  }
+}
+
+template <bool COMP>
+ffi::Error run_rank_dtype(ffi::DataType dt, Group& grp, int rank, cudaStream_t stream,
+                          const CallAttrs& at, const void* x, void* y, float* m1, float* m2,
+                          int64_t n, int ranks_on_device) {
+  switch (dt) {
+    case ffi::DataType::F32:
+      return run_rank<float, COMP>(grp, rank, stream, at, x, y, m1, m2, n, ranks_on_device);
+    case ffi::DataType::BF16:
+      return run_rank<__nv_bfloat16, COMP>(grp, rank, stream, at, x, y, m1, m2, n, ranks_on_device);
+    case ffi::DataType::F16:
+      return run_rank<__half, COMP>(grp, rank, stream, at, x, y, m1, m2, n, ranks_on_device);
+    default:
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        "echo_jax p2p (CUDA): x must be float32, bfloat16 or float16");
+  }
+}
+
+ffi::Error check_attrs(const CallAttrs& at) {
+  if (at.bits != 4 && at.bits != 8)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): bits must be 4 or 8, got " +
+                                       std::to_string(at.bits));
+  if (at.g <= 0 || at.g > kMaxGroupSize || (at.bits == 4 && at.g % 2))
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): bad group_size " + std::to_string(at.g));
+  if (at.policy < 0 || at.policy > 2)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): bad policy code " +
+                                       std::to_string(at.policy));
+  if (at.P < 1 || at.P > kMaxCudaRanks)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): num_ranks must be in [1, " +
+                                       std::to_string(kMaxCudaRanks) + "], got " +
+                                       std::to_string(at.P));
+  return ffi::Error::Success();
+}
+
+ffi::Error check_health(Group& grp, int rank) {
+  if (grp.broken) return ffi::Error(ffi::ErrorCode::kAborted, grp.broken_reason);
+  const int code = grp.host_error[rank] ? *reinterpret_cast<volatile int*>(grp.host_error[rank]) : 0;
+  if (code != 0) {
+    grp.broken = true;
+    grp.broken_reason = "echo_jax p2p (CUDA): " + describe_error(code, rank);
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, grp.broken_reason);
+  }
+  return ffi::Error::Success();
+}
+
+// --- the per-device handler (one rank per GPU, inside shard_map) -----------------------------
+
+// The GPU of XLA's stream (cudaStreamGetDevice, CUDA >= 12.8): which rank this call is.
+ffi::ErrorOr<int> stream_device(cudaStream_t stream) {
+  int device = -1;
+  cudaError_t e = cudaStreamGetDevice(stream, &device);
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string("echo_jax p2p (CUDA): cudaStreamGetDevice: ") + cuda_error_text(e));
+  return device;
+}
+
+ffi::Error RankImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                    std::optional<ffi::Buffer<ffi::F32>> m1, std::optional<ffi::Buffer<ffi::F32>> m2,
+                    ffi::Result<ffi::AnyBuffer> y, float* m1_out, float* m2_out,
+                    const CallAttrs& at, ffi::Span<const int64_t> groups) {
+  ffi::Error err = check_attrs(at);
+  if (err.failure()) return err;
+  ffi::ErrorOr<int> dev = stream_device(stream);
+  if (dev.has_error()) return dev.error();
+  const int device = dev.value();
+  if (groups.size() % at.P != 0)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): the groups attribute (" +
+                                       std::to_string(groups.size()) +
+                                       " device ordinals) is not a multiple of num_ranks");
+  int rank = -1;
+  size_t first = 0;
+  for (size_t i = 0; i < groups.size(); ++i)
+    if (groups[i] == device) { rank = static_cast<int>(i % at.P); first = i - rank; }
+  if (rank < 0)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): device " + std::to_string(device) +
+                                       " is in no group of the groups attribute");
+  std::ostringstream key;
+  key << "gpu";
+  std::vector<int> devs;
+  for (int r = 0; r < at.P; ++r) { devs.push_back(static_cast<int>(groups[first + r])); key << ":" << devs.back(); }
+  Group* grp = get_group(key.str());
+  {
+    // First call: every rank allocates its workspace, then all wait until the group is
+    // complete, so no kernel spins while a peer is still inside a blocking CUDA call.
+    std::unique_lock<std::mutex> lock(grp->mu);
+    if (grp->P == 0) {
+      grp->P = at.P;
+      grp->devices = devs;
+      grp->slot_bytes = slot_bytes_from_env();
+      grp->ws.assign(at.P, nullptr);
+      grp->host_error.assign(at.P, nullptr);
+      grp->dev_error.assign(at.P, nullptr);
+      grp->calls.assign(at.P, 0);
+    }
+    if (grp->ws[rank] == nullptr) {
+      lock.unlock();
+      err = setup_rank(*grp, rank);
+      lock.lock();
+      if (err.failure()) return err;
+      ++grp->registered;
+      grp->cv.notify_all();
+    }
+    const bool ready = grp->cv.wait_for(lock, std::chrono::milliseconds(at.timeout_ms),
+                                        [&] { return grp->registered == grp->P; });
+    if (!ready)
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                        "echo_jax p2p (CUDA): rank " + std::to_string(rank) +
+                            " waited for its group's other ranks to set up; only " +
+                            std::to_string(grp->registered) + " of " + std::to_string(at.P) +
+                            " arrived");
+  }
+  err = check_health(*grp, rank);
+  if (err.failure()) return err;
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  float* pm1 = m1_out;
+  float* pm2 = m2_out;
+  if (m1.has_value() && m1_out != m1->typed_data()) {  // no aliasing: start from the inputs
+    cudaMemcpyAsync(m1_out, m1->typed_data(), n * sizeof(float), cudaMemcpyDeviceToDevice, stream);
+    cudaMemcpyAsync(m2_out, m2->typed_data(), n * sizeof(float), cudaMemcpyDeviceToDevice, stream);
+  }
+  if (m1.has_value())
+    return run_rank_dtype<true>(x.element_type(), *grp, rank, stream, at, x.untyped_data(),
+                                y->untyped_data(), pm1, pm2, n, 1);
+  return run_rank_dtype<false>(x.element_type(), *grp, rank, stream, at, x.untyped_data(),
+                               y->untyped_data(), nullptr, nullptr, n, 1);
+}
+
+// --- virtual ranks: P rank pipelines on P streams of one GPU ----------------------------------
+
+ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                       std::optional<ffi::Buffer<ffi::F32>> m1,
+                       std::optional<ffi::Buffer<ffi::F32>> m2, ffi::Result<ffi::AnyBuffer> y,
+                       float* m1_out, float* m2_out, const CallAttrs& at, int absent_rank) {
+  ffi::Error err = check_attrs(at);
+  if (err.failure()) return err;
+  ffi::ErrorOr<int> dev = stream_device(stream);
+  if (dev.has_error()) return dev.error();
+  const int device = dev.value();
+  const auto dims = x.dimensions();
+  if (dims.size() != 2 || dims[0] != at.P)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA, virtual ranks): x must be [P, n] with "
+                                       "P = num_ranks = " + std::to_string(at.P));
+  const int64_t n = dims[1];
+  Group* grp = get_group("virtual:" + std::to_string(device) + ":" + std::to_string(at.P));
+  {
+    std::lock_guard<std::mutex> lock(grp->mu);
+    if (grp->P == 0) {
+      grp->P = at.P;
+      grp->is_virtual = true;
+      grp->devices.assign(at.P, device);
+      grp->slot_bytes = slot_bytes_from_env();
+      grp->ws.assign(at.P, nullptr);
+      grp->host_error.assign(at.P, nullptr);
+      grp->dev_error.assign(at.P, nullptr);
+      grp->calls.assign(at.P, 0);
+      for (int r = 0; r < at.P; ++r) {
+        err = setup_rank(*grp, r);
+        if (err.failure()) return err;
+      }
+      grp->streams.resize(at.P);
+      grp->joins.resize(at.P);
+      for (int r = 0; r < at.P; ++r) {
+        ECHO_CUDA_RETURN(cudaStreamCreateWithFlags(&grp->streams[r], cudaStreamNonBlocking), "stream");
+        ECHO_CUDA_RETURN(cudaEventCreateWithFlags(&grp->joins[r], cudaEventDisableTiming), "event");
+      }
+      ECHO_CUDA_RETURN(cudaEventCreateWithFlags(&grp->fork, cudaEventDisableTiming), "event");
+      grp->registered = at.P;
+    }
+  }
+  for (int r = 0; r < at.P; ++r) {
+    err = check_health(*grp, r);
+    if (err.failure()) return err;
+  }
+  const size_t esize = ffi::ByteWidth(x.element_type());
+  if (m1.has_value() && m1_out != m1->typed_data()) {
+    cudaMemcpyAsync(m1_out, m1->typed_data(), at.P * n * sizeof(float), cudaMemcpyDeviceToDevice, stream);
+    cudaMemcpyAsync(m2_out, m2->typed_data(), at.P * n * sizeof(float), cudaMemcpyDeviceToDevice, stream);
+  }
+  ECHO_CUDA_RETURN(cudaEventRecord(grp->fork, stream), "fork event");
+  for (int r = 0; r < at.P; ++r) {
+    if (r == absent_rank) {  // test hook: this rank never arrives; its peers must time out
+      ++grp->calls[r];
+      continue;
+    }
+    ECHO_CUDA_RETURN(cudaStreamWaitEvent(grp->streams[r], grp->fork, 0), "fork wait");
+    const char* xr = static_cast<const char*>(x.untyped_data()) + r * n * esize;
+    char* yr = static_cast<char*>(y->untyped_data()) + r * n * esize;
+    if (m1.has_value())
+      err = run_rank_dtype<true>(x.element_type(), *grp, r, grp->streams[r], at, xr, yr,
+                                 m1_out + r * n, m2_out + r * n, n, at.P);
+    else
+      err = run_rank_dtype<false>(x.element_type(), *grp, r, grp->streams[r], at, xr, yr, nullptr,
+                                  nullptr, n, at.P);
+    if (err.failure()) return err;
+    ECHO_CUDA_RETURN(cudaEventRecord(grp->joins[r], grp->streams[r]), "join event");
+    ECHO_CUDA_RETURN(cudaStreamWaitEvent(stream, grp->joins[r], 0), "join wait");
+  }
+  return ffi::Error::Success();
+}
+
+CallAttrs make_attrs(int64_t bits, int64_t g, int64_t policy, int64_t P, int64_t timeout_ms,
+                     float ea, float eb, float b1, float c1, float b2, float c2, float inv_p) {
+  return CallAttrs{static_cast<int>(bits), static_cast<int>(g), static_cast<int>(policy),
+                   static_cast<int>(P), std::max<int64_t>(1, timeout_ms),
+                   CompCoeffs{ea, eb, b1, c1, b2, c2, inv_p}};
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace echo
+
+using echo::cuda::CallAttrs;
+using echo::cuda::make_attrs;
+
+// ---- handler bindings -------------------------------------------------------------------------
+
+static ffi::Error EchoAllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x,
+                                   ffi::Result<ffi::AnyBuffer> y, int64_t bits, int64_t group_size,
+                                   int64_t policy, int64_t num_ranks, int64_t timeout_ms,
+                                   ffi::Span<const int64_t> groups) {
+  const CallAttrs at = make_attrs(bits, group_size, policy, num_ranks, timeout_ms, 0, 0, 0, 0, 0, 0,
+                                  1.0f / static_cast<float>(num_ranks));
+  return echo::cuda::RankImpl(stream, x, std::nullopt, std::nullopt, y, nullptr, nullptr,
+                              at, groups);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    echo_allreduce_cuda, EchoAllReduceCuda,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream of this device
+        .Arg<ffi::AnyBuffer>()                     // x: this rank's contribution, f32/bf16/f16
+        .Ret<ffi::AnyBuffer>()                     // y: the sum, same dtype and shape
+        .Attr<int64_t>("bits")                     // 4 or 8
+        .Attr<int64_t>("group_size")               // g
+        .Attr<int64_t>("policy")                   // 0 asym, 1 sym, 2 asym_naive
+        .Attr<int64_t>("num_ranks")                // P
+        .Attr<int64_t>("timeout_ms")               // bound on every wait for a peer
+        .Attr<ffi::Span<const int64_t>>("groups"));  // device ordinals, P per group
+
+static ffi::Error EchoAllReduceCompCuda(cudaStream_t stream, ffi::AnyBuffer x,
+                                        ffi::Buffer<ffi::F32> m1, ffi::Buffer<ffi::F32> m2,
+                                        ffi::Result<ffi::AnyBuffer> y,
+                                        ffi::ResultBuffer<ffi::F32> m1_out,
+                                        ffi::ResultBuffer<ffi::F32> m2_out, int64_t bits,
+                                        int64_t group_size, int64_t policy, int64_t num_ranks,
+                                        int64_t timeout_ms, ffi::Span<const int64_t> groups,
+                                        float ea, float eb, float b1, float c1, float b2, float c2,
+                                        float inv_p) {
+  const CallAttrs at =
+      make_attrs(bits, group_size, policy, num_ranks, timeout_ms, ea, eb, b1, c1, b2, c2, inv_p);
+  return echo::cuda::RankImpl(stream, x, m1, m2, y, m1_out->typed_data(),
+                              m2_out->typed_data(), at, groups);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    echo_allreduce_comp_cuda, EchoAllReduceCompCuda,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream of this device
+        .Arg<ffi::AnyBuffer>()                     // x: contribution before compensation
+        .Arg<ffi::Buffer<ffi::F32>>()              // m1: slow average (aliased to m1_out)
+        .Arg<ffi::Buffer<ffi::F32>>()              // m2: fast average (aliased to m2_out)
+        .Ret<ffi::AnyBuffer>()                     // y: the sum of the compensated x'
+        .Ret<ffi::Buffer<ffi::F32>>()              // m1_out: updated in place
+        .Ret<ffi::Buffer<ffi::F32>>()              // m2_out: updated in place
+        .Attr<int64_t>("bits")
+        .Attr<int64_t>("group_size")
+        .Attr<int64_t>("policy")
+        .Attr<int64_t>("num_ranks")
+        .Attr<int64_t>("timeout_ms")
+        .Attr<ffi::Span<const int64_t>>("groups")
+        .Attr<float>("ea")      // eta * a
+        .Attr<float>("eb")      // eta * (1 - a)
+        .Attr<float>("b1")      // beta1
+        .Attr<float>("c1")      // 1 - beta1
+        .Attr<float>("b2")      // beta2
+        .Attr<float>("c2")      // 1 - beta2
+        .Attr<float>("inv_p"));  // f32(1 / P)
+
+static ffi::Error EchoAllReduceVirtualCuda(cudaStream_t stream, ffi::AnyBuffer x,
+                                           ffi::Result<ffi::AnyBuffer> y, int64_t bits,
+                                           int64_t group_size, int64_t policy, int64_t num_ranks,
+                                           int64_t timeout_ms, int64_t absent_rank) {
+  const CallAttrs at = make_attrs(bits, group_size, policy, num_ranks, timeout_ms, 0, 0, 0, 0, 0, 0,
+                                  1.0f / static_cast<float>(num_ranks));
+  return echo::cuda::VirtualImpl(stream, x, std::nullopt, std::nullopt, y, nullptr, nullptr,
+                                 at, static_cast<int>(absent_rank));
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    echo_allreduce_virtual_cuda, EchoAllReduceVirtualCuda,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: forks to P rank streams
+        .Arg<ffi::AnyBuffer>()                     // x: [P, n], row r is rank r's contribution
+        .Ret<ffi::AnyBuffer>()                     // y: [P, n], every row the same sum
+        .Attr<int64_t>("bits")
+        .Attr<int64_t>("group_size")
+        .Attr<int64_t>("policy")
+        .Attr<int64_t>("num_ranks")
+        .Attr<int64_t>("timeout_ms")
+        .Attr<int64_t>("absent_rank"));  // -1; a rank to leave out (tests of the timeout)
+
+static ffi::Error EchoAllReduceVirtualCompCuda(
+    cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> m1,
+    ffi::Buffer<ffi::F32> m2, ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::F32> m1_out,
+    ffi::ResultBuffer<ffi::F32> m2_out, int64_t bits, int64_t group_size, int64_t policy,
+    int64_t num_ranks, int64_t timeout_ms, float ea, float eb, float b1, float c1, float b2,
+    float c2, float inv_p) {
+  const CallAttrs at =
+      make_attrs(bits, group_size, policy, num_ranks, timeout_ms, ea, eb, b1, c1, b2, c2, inv_p);
+  return echo::cuda::VirtualImpl(stream, x, m1, m2, y, m1_out->typed_data(),
+                                 m2_out->typed_data(), at, -1);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    echo_allreduce_virtual_comp_cuda, EchoAllReduceVirtualCompCuda,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: forks to P rank streams
+        .Arg<ffi::AnyBuffer>()                     // x: [P, n]
+        .Arg<ffi::Buffer<ffi::F32>>()              // m1: [P, n] (aliased to m1_out)
+        .Arg<ffi::Buffer<ffi::F32>>()              // m2: [P, n] (aliased to m2_out)
+        .Ret<ffi::AnyBuffer>()                     // y: [P, n]
+        .Ret<ffi::Buffer<ffi::F32>>()              // m1_out
+        .Ret<ffi::Buffer<ffi::F32>>()              // m2_out
+        .Attr<int64_t>("bits")
+        .Attr<int64_t>("group_size")
+        .Attr<int64_t>("policy")
+        .Attr<int64_t>("num_ranks")
+        .Attr<int64_t>("timeout_ms")
+        .Attr<float>("ea")
+        .Attr<float>("eb")
+        .Attr<float>("b1")
+        .Attr<float>("c1")
+        .Attr<float>("b2")
+        .Attr<float>("c2")
+        .Attr<float>("inv_p"));

@@ -1,0 +1,566 @@
+"""The Echo custom call ("p2p" transport) on fake CPU devices: the real C++ protocol, host threads.
+
+Every result is compared bit for bit with the pure-JAX reference (`collective.xla_allreduce`,
+`compensator`), on every rank. Runs with XLA_FLAGS=--xla_force_host_platform_device_count=8
+(tests/conftest.py sets it).
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import echo_jax as ej
+from echo_jax import collective
+from echo_jax import compensator as comp
+from echo_jax import p2p, quant
+
+POLICIES = ("asym", "sym", "asym_naive")
+CONFIGS = [(b, p) for b in (4, 8) for p in POLICIES]
+SIZES = (1, 127, 1000, 4099)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+pytestmark = pytest.mark.skipif(
+    "cpu" not in p2p.available_platforms(),
+    reason="echo_jax._ffi (the compiled custom call) is not built")
+
+
+def mesh_of(shape, names):
+    n = int(np.prod(shape))
+    if len(jax.devices()) < n:
+        pytest.skip(f"needs {n} devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    return Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+
+
+def put(x, mesh, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def as_varying(y, axes):
+    """Per-rank values out of shard_map (no runtime cost): type y as varying over `axes`."""
+    mat = getattr(jax.typeof(y), "mat", None)
+    have = set(mat.varying) if mat is not None else set()
+    missing = tuple(a for a in axes if a not in have)
+    return lax.pcast(y, missing, to="varying") if missing else y
+
+
+def bits_of(a):
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+def assert_same_bits(got, want, what=""):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    nan_g, nan_w = np.isnan(got), np.isnan(want)
+    np.testing.assert_array_equal(nan_g, nan_w, err_msg=f"{what}: NaN positions differ")
+    diff = (bits_of(got) != bits_of(want)) & ~nan_w
+    if diff.any():
+        idx = np.argwhere(diff)[:5]
+        raise AssertionError(f"{what}: {diff.sum()} elements differ, e.g. at {idx.tolist()}: "
+                             f"{got[tuple(idx.T)]} vs {want[tuple(idx.T)]}")
+
+
+def assert_same_on_every_rank(y, what=""):
+    """y: [P, ...] per-rank results."""
+    y = np.asarray(y, np.float32)
+    for r in range(1, y.shape[0]):
+        assert_same_bits(y[r], y[0], f"{what}: rank {r} vs rank 0")
+
+
+def rng_inputs(seed, num_ranks, n, dtype, scale=1.0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((num_ranks, n)) * scale
+    x[:, ::7] = np.abs(x[:, ::7]) + 0.5          # one-sided stretches and zero-straddling groups
+    return np.asarray(x, np.float32).astype(dtype)
+
+
+# -------------------------------------------------------------------------------------------
+# The shared C++ quantizer (ffi/echo_common.h) against quant.py.
+# -------------------------------------------------------------------------------------------
+
+def edge_groups(g):
+    rng = np.random.default_rng(1)
+    base = [np.zeros(g), np.full(g, 1.5), np.full(g, -2.25), np.full(g, 3e-6),
+            np.full(g, 1e5), np.full(g, -7e4), np.linspace(-1, 1, g), np.linspace(1, 2, g),
+            np.linspace(-3, -2, g), np.linspace(-0.01, 1, g), np.linspace(-1, 0.02, g),
+            np.linspace(0, 1e-6, g), np.linspace(-3e-8, 5e-8, g), np.linspace(6e4, 6.5e4, g),
+            np.linspace(-1e9, 1e9, g), np.linspace(1000.0, 1000.001, g),
+            np.where(np.arange(g) % 2, 1.0, -0.0)]
+    special = []
+    for v in (np.nan, np.inf, -np.inf):
+        s = rng.standard_normal(g)
+        s[g // 2] = v
+        special.append(s)
+    rand = [rng.standard_normal(g) * 10.0 ** rng.integers(-6, 4) + rng.standard_normal()
+            for _ in range(200)]
+    return np.stack(base + special + rand).astype(np.float32)
+
+
+def signed_zero_and_subnormal_groups(g):
+    """Groups whose minimum or maximum is decided between +0 and -0 or among fp32 subnormals
+    (flushed to zero by XLA:CPU): XLA's own min/max reductions give a shape-dependent sign of
+    zero there, so only the values (not the sign bit of a zero scale) are compared."""
+    return np.stack([np.where(np.arange(g) % 2, 0.0, -0.0),
+                     np.where(np.arange(g) < g // 2, 0.0, -0.0), np.full(g, 1e-40),
+                     np.linspace(-1e-38, 1e-38, g)]).astype(np.float32)
+
+
+@pytest.mark.parametrize("g", [2, 8, 128])
+def test_cpp_quantizer_matches_reference(g):
+    from echo_jax import _ffi
+    exact = edge_groups(g)
+    x = np.concatenate([exact, signed_zero_and_subnormal_groups(g)])
+    k = len(exact)
+    quantize = jax.jit(quant.quantize_groups, static_argnums=(1, 2))
+    dequantize = jax.jit(quant.dequantize_groups, static_argnums=(2, 3))
+    for bits, policy in CONFIGS:
+        code = p2p.POLICY_CODES[policy]
+        # XLA:CPU runs with subnormals flushed; so do the handlers (they replay XLA's FP env).
+        packed, params = _ffi.quantize_groups(x, bits, code, flush_denormals=True)
+        ref_packed, ref_params = quantize(x, bits, policy)
+        ref_packed, ref_params = np.asarray(ref_packed), np.asarray(ref_params).view(np.uint16)
+        np.testing.assert_array_equal(packed[:k], ref_packed[:k], err_msg=f"{bits} {policy}")
+        np.testing.assert_array_equal(params[:k], ref_params[:k], err_msg=f"{bits} {policy}")
+        out = _ffi.dequantize_groups(packed, params, g, bits, code, flush_denormals=True)
+        ref = np.asarray(dequantize(ref_packed, ref_params.view(np.float16), bits, policy))
+        assert_same_bits(out[:k], ref[:k], f"dequantize {bits} {policy}")
+        np.testing.assert_array_equal(out[k:], ref[k:])  # values only: -0 == +0
+
+
+def test_cpp_f16_conversion_matches_numpy():
+    from echo_jax import _ffi
+    rng = np.random.default_rng(2)
+    u = np.concatenate([rng.integers(0, 2 ** 32, 2 ** 20, dtype=np.uint64).astype(np.uint32),
+                        np.arange(0x33000000 - 8, 0x38800000 + 8, 97, dtype=np.uint32),
+                        np.arange(0x477FE000, 0x47800010, dtype=np.uint32)])
+    u = np.concatenate([u, u | np.uint32(0x80000000)])
+    f = u.view(np.float32)
+    got = _ffi.f32_to_f16_bits(u)[0]
+    with np.errstate(over="ignore"):
+        want = f.astype(np.float16).view(np.uint16)
+    finite = np.isfinite(f)
+    np.testing.assert_array_equal(got[finite], want[finite])
+    assert np.all((got[~finite] & 0x7C00) == 0x7C00)
+
+
+# -------------------------------------------------------------------------------------------
+# The all-reduce against xla_allreduce.
+# -------------------------------------------------------------------------------------------
+
+def run_both(num_ranks, configs, inputs):
+    """Runs p2p_allreduce (one jitted shard_map over num_ranks devices) and the pure-JAX
+    reference xla_allreduce (one jitted vmap: P simulated ranks on one device, which
+    test_collective checks to equal its shard_map form bit for bit) on the same fp32 inputs.
+
+    configs[i] reduces inputs[i] ([P, ...] in any float dtype, flattened and cast to fp32 inside).
+    Returns two lists of [P, n] per-rank results.
+    """
+    mesh = mesh_of((num_ranks,), ("tp",))
+
+    def body(*xs):
+        outs = []
+        for i, (cfg, x) in enumerate(zip(configs, xs)):
+            flat = jnp.ravel(x[0]).astype(jnp.float32)
+            got = p2p.p2p_allreduce(flat, "tp", num_ranks, cfg)
+            if i == 0:  # typed like the reference (trace only: the value is not used)
+                want = collective.xla_allreduce(flat, "tp", num_ranks, cfg)
+                assert jax.typeof(got).mat == jax.typeof(want).mat
+            outs.append(as_varying(got, ("tp",))[None])
+        return tuple(outs)
+
+    def ref(*xs):
+        return tuple(collective.xla_allreduce(jnp.ravel(x).astype(jnp.float32), "tp", num_ranks,
+                                              cfg) for cfg, x in zip(configs, xs))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * len(configs),
+                              out_specs=(P("tp"),) * len(configs)))
+    got = f(*[put(x, mesh, P("tp")) for x in inputs])
+    want = jax.jit(jax.vmap(ref, axis_name="tp"))(*[jnp.asarray(x) for x in inputs])
+    return [np.asarray(v) for v in got], [np.asarray(v) for v in want]
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
+def test_allreduce_matches_xla_bit_for_bit(num_ranks):
+    """Every (bits, policy) and every odd size per P; the size and the input dtype rotate with P
+    so that every (config, size) pair runs once across the four values of P."""
+    shift = {2: 0, 3: 1, 4: 2, 8: 3}[num_ranks]
+    cases = [(bits, policy, SIZES[(ci + shift) % len(SIZES)], DTYPES[(ci + 2 * shift) % 3])
+             for ci, (bits, policy) in enumerate(CONFIGS)]
+    assert {c[2] for c in cases} == set(SIZES) and {c[3] for c in cases} == set(DTYPES)
+    inputs = [rng_inputs(100 * i + num_ranks, num_ranks, n, dt) for i, (_, _, n, dt)
+              in enumerate(cases)]
+    configs = [ej.EchoConfig(bits=bits, policy=policy, transport="p2p")
+               for bits, policy, _, _ in cases]
+    got, want = run_both(num_ranks, configs, inputs)
+    for i, (bits, policy, n, dt) in enumerate(cases):
+        what = f"P={num_ranks} bits={bits} {policy} n={n} {jnp.dtype(dt).name}"
+        assert got[i].shape == (num_ranks, n)
+        assert_same_on_every_rank(got[i], what)
+        assert_same_bits(got[i], want[i], what)
+        exact = np.asarray(inputs[i], np.float32).sum(0)
+        bound = 0.25 * num_ranks * np.abs(exact).max() + 1e-6
+        assert np.all(np.abs(got[i][0] - exact) <= bound), what
+
+
+def test_other_group_sizes():
+    num_ranks = 3
+    cases = [(2, 4, "asym"), (2, 8, "sym"), (30, 4, "sym"), (30, 8, "asym_naive"),
+             (64, 4, "asym_naive"), (64, 8, "asym")]
+    x = rng_inputs(7, num_ranks, 301, np.float32)
+    configs = [ej.EchoConfig(bits=bits, policy=policy, group_size=g) for g, bits, policy in cases]
+    got, want = run_both(num_ranks, configs, [x] * len(cases))
+    for i, (g, bits, policy) in enumerate(cases):
+        assert_same_on_every_rank(got[i], f"g={g} {bits} {policy}")
+        assert_same_bits(got[i], want[i], f"g={g} {bits} {policy}")
+
+
+def test_non_finite_and_fp16_overflow_match_reference():
+    num_ranks = 4
+    n = 1500
+    x = rng_inputs(3, num_ranks, n, np.float32)
+    x[0, 5] = np.nan                  # group 0 of segment 0
+    x[1, 400] = np.inf                # a group of segment 1 (its owner sums inf)
+    x[2, 401] = -np.inf               # same group: inf - inf = NaN in the sum
+    x[3, 900] = np.inf
+    x[1, 1300:1310] = 3e9             # fp16 scale overflow: NaN, never finite garbage
+    x[2, 1200:1210] = 1e-30           # scale underflow: fp16 subnormal / zero, finite
+    x[0, 1410:1420] = 1e-40           # fp32 subnormal inputs
+    configs = [ej.EchoConfig(bits=bits, policy=policy) for bits, policy in CONFIGS]
+    got, want = run_both(num_ranks, configs, [x] * len(configs))
+    for i, (bits, policy) in enumerate(CONFIGS):
+        assert_same_on_every_rank(got[i], f"{bits} {policy}")
+        assert_same_bits(got[i], want[i], f"non-finite {bits} {policy}")
+        assert np.isnan(got[i][0, 0:128]).all()          # the NaN poisons its whole group
+        assert np.isnan(got[i][0, 384:512]).all()        # inf + (-inf)
+        assert np.isfinite(got[i][0, 1024:1152]).all()   # an untouched group stays finite
+
+
+# -------------------------------------------------------------------------------------------
+# Compensated call against apply_correction + xla_allreduce + update_state.
+# -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4])
+def test_compensated_matches_reference(num_ranks):
+    mesh = mesh_of((num_ranks,), ("tp",))
+    n = 1000
+    rng = np.random.default_rng(num_ranks)
+    x = rng_inputs(11, num_ranks, n, np.float32)
+    m1 = (rng.standard_normal((num_ranks, n)) * 0.05).astype(np.float32)
+    m2 = (rng.standard_normal((num_ranks, n)) * 0.05).astype(np.float32)
+    # Every (bits, policy) for two of the three P, and non-default coefficients.
+    shift = {2: 0, 3: 2, 4: 4}[num_ranks]
+    configs = [ej.EchoConfig(bits=b, policy=p)
+               for b, p in (CONFIGS + CONFIGS)[shift:shift + 4]]
+    configs.append(ej.EchoConfig(bits=4, eta=0.5, blend=0.8, beta1=0.9, beta2=0.1))
+
+    def body(x, m1, m2):
+        x, m1, m2 = x[0], m1[0], m2[0]
+        outs = []
+        for cfg in configs:
+            y, n1, n2 = p2p.p2p_allreduce_compensated(x, m1, m2, "tp", num_ranks, cfg)
+            k = comp.Coefficients.from_config(cfg)
+            state = comp.CompensatorState(m1, m2)
+            xp = comp.apply_correction(x, state, k)
+            ry = collective.xla_allreduce(xp, "tp", num_ranks, cfg)
+            rs = comp.update_state(xp, ry, num_ranks, state, k)
+            for a, b in ((y, ry), (n1, rs.m1), (n2, rs.m2)):
+                assert jax.typeof(a).mat == jax.typeof(b).mat
+                outs += [as_varying(a, ("tp",))[None], as_varying(b, ("tp",))[None]]
+        return tuple(outs)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3,
+                              out_specs=(P("tp"),) * (6 * len(configs))))
+    res = f(*[put(a, mesh, P("tp")) for a in (x, m1, m2)])
+    for i, cfg in enumerate(configs):
+        what = f"P={num_ranks} {cfg.bits} {cfg.policy} eta={cfg.eta}"
+        assert_same_on_every_rank(res[6 * i], what + " y")
+        for j, name in enumerate(("y", "m1", "m2")):
+            assert_same_bits(res[6 * i + 2 * j], res[6 * i + 2 * j + 1], f"{what} {name}")
+
+
+def test_compensated_state_updated_in_place_under_donation():
+    """Aliased state buffers: donate m1/m2 into a jitted loop of compensated calls."""
+    num_ranks = 2
+    mesh = mesh_of((num_ranks,), ("tp",))
+    n = 513
+    x = rng_inputs(5, num_ranks, n, np.float32)
+    cfg = ej.EchoConfig(bits=4)
+
+    def run(fn):
+        def body(x, m1, m2):
+            def step(_, c):
+                y, a, b = fn(x[0], c[0], c[1])
+                return (a, b, as_varying(y, ("tp",)))
+            z = jnp.zeros((n,), jnp.float32)
+            a, b, y = lax.fori_loop(0, 5, step, (m1[0], m2[0], z * x[0]))
+            return tuple(as_varying(v, ("tp",))[None] for v in (a, b, y))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3,
+                                     out_specs=(P("tp"),) * 3), donate_argnums=(1, 2))
+
+    def ref(x, m1, m2):
+        k = comp.Coefficients.from_config(cfg)
+        s = comp.CompensatorState(m1, m2)
+        xp = comp.apply_correction(x, s, k)
+        y = collective.xla_allreduce(xp, "tp", num_ranks, cfg)
+        s = comp.update_state(xp, y, num_ranks, s, k)
+        return y, s.m1, s.m2
+
+    zeros = lambda: put(np.zeros((num_ranks, n), np.float32), mesh, P("tp"))  # noqa: E731
+    xs = put(x, mesh, P("tp"))
+    got = run(lambda x, a, b: p2p.p2p_allreduce_compensated(x, a, b, "tp", num_ranks, cfg))(
+        xs, zeros(), zeros())
+    want = run(ref)(xs, zeros(), zeros())
+    for a, b, name in zip(got, want, ("m1", "m2", "y")):
+        assert_same_bits(a, b, name)
+
+
+# -------------------------------------------------------------------------------------------
+# Meshes with several axes, typing, repeated calls.
+# -------------------------------------------------------------------------------------------
+
+def test_dp_tp_mesh_concurrent_groups():
+    """2x4 mesh: two tp groups of 4 and four dp groups of 2 in one program, both typed ways."""
+    mesh = mesh_of((2, 4), ("dp", "tp"))
+    x = rng_inputs(21, 8, 777, np.float32).reshape(2, 4, 777)
+    cfg = ej.EchoConfig(bits=4, policy="asym")
+    cfg8 = ej.EchoConfig(bits=8, policy="sym")
+
+    def body(x):
+        flat = x[0, 0]
+        t_got = p2p.p2p_allreduce(flat, "tp", 4, cfg)
+        t_want = collective.xla_allreduce(flat, "tp", 4, cfg)
+        d_got = p2p.p2p_allreduce(flat * 2.0, "dp", 2, cfg8)
+        d_want = collective.xla_allreduce(flat * 2.0, "dp", 2, cfg8)
+        assert jax.typeof(t_got).mat == jax.typeof(t_want).mat
+        assert jax.typeof(d_got).mat == jax.typeof(d_want).mat
+        both = ("dp", "tp")
+        return tuple(as_varying(v, both)[None, None] for v in (t_got, t_want, d_got, d_want))
+
+    spec = P("dp", "tp")
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=(spec,) * 4))
+    t_got, t_want, d_got, d_want = (np.asarray(v) for v in f(put(x, mesh, spec)))
+    assert_same_bits(t_got, t_want, "tp")
+    assert_same_bits(d_got, d_want, "dp")
+    for d in range(2):
+        assert_same_on_every_rank(t_got[d], f"tp group {d}")
+    for t in range(4):
+        assert_same_on_every_rank(d_got[:, t], f"dp group {t}")
+    assert not np.array_equal(t_got[0, 0], t_got[1, 0])  # the two tp groups differ
+
+    # check_vma=False shard_maps (no types) run the same protocol.
+    def untyped(x):
+        flat = x[0, 0]
+        return (p2p.p2p_allreduce(flat, "tp", 4, cfg)[None, None],
+                collective.xla_allreduce(flat, "tp", 4, cfg)[None, None])
+
+    g = jax.jit(jax.shard_map(untyped, mesh=mesh, in_specs=spec, out_specs=(spec,) * 2,
+                              check_vma=False))
+    a, b = g(put(x, mesh, spec))
+    assert_same_bits(a, b, "tp, check_vma=False")
+
+
+def test_repeated_calls_stay_correct():
+    """>= 1000 calls: a jitted loop of 2 x 500 calls on two shapes, plus separate executions."""
+    num_ranks = 4
+    mesh = mesh_of((num_ranks,), ("tp",))
+    cfg_a = ej.EchoConfig(bits=4, policy="asym")
+    cfg_b = ej.EchoConfig(bits=8, policy="sym")
+    xa = rng_inputs(31, num_ranks, 1000, np.float32)
+    xb = rng_inputs(32, num_ranks, 4099, np.float32)
+    steps = 500
+
+    def loop(reduce):
+        def body(a0, b0):
+            a0, b0 = a0[0], b0[0]
+
+            def step(_, c):
+                a, b = c
+                # y * 2^-3 is exact, so XLA's fusion choices cannot change the carry's bits.
+                a = reduce(a, cfg_a) * jnp.float32(0.125) + a0
+                b = reduce(b, cfg_b) * jnp.float32(0.125) + b0
+                return a, b
+            a, b = lax.fori_loop(0, steps, step, (a0, b0))
+            return as_varying(a, ("tp",))[None], as_varying(b, ("tp",))[None]
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 2,
+                                     out_specs=(P("tp"),) * 2))
+
+    args = (put(xa, mesh, P("tp")), put(xb, mesh, P("tp")))
+    t0 = time.perf_counter()
+    got = loop(lambda v, c: p2p.p2p_allreduce(v, "tp", num_ranks, c))(*args)
+    want = loop(lambda v, c: collective.xla_allreduce(v, "tp", num_ranks, c))(*args)
+    assert_same_bits(got[0], want[0], "loop a")
+    assert_same_bits(got[1], want[1], "loop b")
+
+    # Separate executions of two compiled programs, alternating shapes: the workspaces persist
+    # and their epochs keep rising across executions.
+    def single(cfg, both):
+        def body(x):
+            y = p2p.p2p_allreduce(x[0], "tp", num_ranks, cfg) if both != "xla" else \
+                collective.xla_allreduce(x[0], "tp", num_ranks, cfg)
+            return as_varying(y, ("tp",))[None]
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+
+    fa, fb = single(cfg_a, "p2p"), single(cfg_b, "p2p")
+    ra = np.asarray(single(cfg_a, "xla")(args[0]))
+    rb = np.asarray(single(cfg_b, "xla")(args[1]))
+    pending = []
+    for i in range(30):
+        pending.append((fa(args[0]), ra) if i % 2 == 0 else (fb(args[1]), rb))
+    for y, ref in pending:
+        assert_same_bits(y, ref, "separate call")
+    assert time.perf_counter() - t0 < 60
+    stats = p2p.registry_stats()
+    assert stats["pending_joins"] == 0
+
+
+def test_echo_psum_transport_p2p_equals_xla():
+    """Through the public API: echo_psum(transport='p2p') == echo_psum(transport='xla')."""
+    num_ranks = 4
+    mesh = mesh_of((num_ranks,), ("tp",))
+    x = rng_inputs(41, num_ranks, 3 * 50, jnp.bfloat16).reshape(num_ranks, 3, 50)
+
+    def body(x, transport):
+        cfg = ej.EchoConfig(bits=4, transport=transport)
+        y = ej.echo_psum(x[0], "tp", config=cfg)
+        return as_varying(y, ("tp",))[None]
+
+    def run(transport):
+        f = jax.jit(jax.shard_map(lambda x: body(x, transport), mesh=mesh, in_specs=P("tp"),
+                                  out_specs=P("tp")))
+        return np.asarray(f(put(x, mesh, P("tp"))).astype(jnp.float32))
+
+    assert collective.resolve_transport(ej.EchoConfig(transport="xla")) == "xla"
+    assert_same_bits(run("p2p"), run("xla"), "echo_psum")
+
+
+# -------------------------------------------------------------------------------------------
+# Choosing the transport, validation, failure.
+# -------------------------------------------------------------------------------------------
+
+def test_choose_and_vmap_fallback():
+    cfg_auto, cfg_p2p = ej.EchoConfig(), ej.EchoConfig(transport="p2p")
+    assert p2p.choose(ej.EchoConfig(transport="xla")) == "xla"
+    assert p2p.choose(cfg_auto) == "xla"                        # outside shard_map
+    with pytest.raises(ValueError, match="not called inside jax.shard_map"):
+        p2p.choose(cfg_p2p)
+
+    x = jnp.asarray(rng_inputs(51, 4, 300, np.float32))
+    seen = {}
+
+    def f(v):
+        seen["choice"] = p2p.choose(cfg_auto, "i")
+        y = p2p.p2p_allreduce(v, "i", 4, cfg_auto)              # falls back to xla_allreduce
+        return y, collective.xla_allreduce(v, "i", 4, cfg_auto)
+
+    got, want = jax.jit(jax.vmap(f, axis_name="i"))(x)
+    assert seen["choice"] == "xla"
+    assert_same_bits(got, want, "vmap fallback")
+    with pytest.raises(ValueError, match="vmap"):
+        jax.vmap(lambda v: p2p.p2p_allreduce(v, "i", 4, cfg_p2p), axis_name="i")(x)
+
+    # Inside shard_map the custom call is chosen.
+    mesh = mesh_of((2,), ("tp",))
+
+    def g(v):
+        seen["inside"] = p2p.choose(cfg_auto, "tp")
+        return v
+    jax.jit(jax.shard_map(g, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(
+        put(np.zeros(4, np.float32), mesh, P("tp")))
+    assert seen["inside"] == "p2p"
+
+
+def test_validation_messages():
+    mesh = mesh_of((2,), ("tp",))
+    cfg = ej.EchoConfig()
+
+    def trace(fn, x=np.zeros((2, 8), np.float32)):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
+                                     check_vma=False))(put(x, mesh, P("tp")))
+
+    with pytest.raises(ValueError, match="flat float32"):
+        trace(lambda x: p2p.p2p_allreduce(x[0].astype(jnp.bfloat16), "tp", 2, cfg)[None])
+    with pytest.raises(ValueError, match="num_ranks=3 but axis 'tp' has size 2"):
+        trace(lambda x: p2p.p2p_allreduce(x[0], "tp", 3, cfg)[None])
+    with pytest.raises(ValueError, match="m1_flat must be float32"):
+        trace(lambda x: p2p.p2p_allreduce_compensated(x[0], x[0, :4], x[0], "tp", 2, cfg)[0][None])
+    with pytest.raises(ValueError, match="config must be an EchoConfig"):
+        trace(lambda x: p2p.p2p_allreduce(x[0], "tp", 2, {"bits": 4})[None])
+
+
+def test_missing_peer_times_out_with_clear_error(monkeypatch):
+    num_ranks = 2
+    mesh = mesh_of((num_ranks,), ("tp",))
+    cfg = ej.EchoConfig(bits=4)
+    x = put(rng_inputs(61, num_ranks, 256, np.float32), mesh, P("tp"))
+    monkeypatch.setenv(p2p.TIMEOUT_ENV, "0.3")
+
+    def make():
+        return jax.jit(jax.shard_map(
+            lambda v: as_varying(p2p.p2p_allreduce(v[0], "tp", num_ranks, cfg), ("tp",))[None],
+            mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+
+    with p2p.debug_absent_rank(1):
+        broken = make()
+        t0 = time.perf_counter()
+        with pytest.raises(jax.errors.JaxRuntimeError) as info:
+            np.asarray(broken(x))
+        elapsed = time.perf_counter() - t0
+    msg = str(info.value)
+    assert "timed out after 0.3 s" in msg and "stage 'reduce'" in msg, msg
+    assert "rank 0 of group 0" in msg and "waited for rank 1" in msg, msg
+    assert elapsed < 10, elapsed
+
+    # The group recovers: a fresh workspace, consistent epochs.
+    monkeypatch.delenv(p2p.TIMEOUT_ENV)
+    ok = make()
+    ref = jax.jit(jax.shard_map(
+        lambda v: as_varying(collective.xla_allreduce(v[0], "tp", num_ranks, cfg), ("tp",))[None],
+        mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(x)
+    for _ in range(3):
+        assert_same_bits(ok(x), ref, "after timeout")
+    assert p2p.registry_stats()["pending_joins"] == 0
+
+
+def test_bad_timeout_env(monkeypatch):
+    monkeypatch.setenv(p2p.TIMEOUT_ENV, "soon")
+    mesh = mesh_of((2,), ("tp",))
+    with pytest.raises(ValueError, match="ECHO_JAX_TIMEOUT_S"):
+        jax.jit(jax.shard_map(lambda v: p2p.p2p_allreduce(v[0], "tp", 2, ej.EchoConfig())[None],
+                              mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))(
+            put(np.zeros((2, 4), np.float32), mesh, P("tp")))
+
+
+def test_concurrent_executions_on_disjoint_devices():
+    """One traced program (one call site) on two disjoint 4-device meshes, dispatched back to
+    back without waiting: the ranks join by execution and device, never across the meshes."""
+    devices = jax.devices()
+    if len(devices) < 8:
+        pytest.skip("needs 8 devices")
+    meshes = [Mesh(np.array(devices[:4]), ("tp",)), Mesh(np.array(devices[4:8]), ("tp",))]
+    cfg = ej.EchoConfig(bits=4)
+
+    def body(x):
+        return as_varying(p2p.p2p_allreduce(x[0], "tp", 4, cfg), ("tp",))[None]
+
+    def ref(x):
+        return as_varying(collective.xla_allreduce(x[0], "tp", 4, cfg), ("tp",))[None]
+
+    f = jax.jit(jax.shard_map(body, in_specs=P("tp"), out_specs=P("tp")))
+    g = jax.jit(jax.shard_map(ref, in_specs=P("tp"), out_specs=P("tp")))
+    xs = [put(rng_inputs(70 + i, 4, 999, np.float32), m, P("tp")) for i, m in enumerate(meshes)]
+    outs = []
+    for i in range(12):
+        with jax.set_mesh(meshes[i % 2]):
+            outs.append(f(xs[i % 2]))
+    refs = []
+    for m, x in zip(meshes, xs):
+        with jax.set_mesh(m):
+            refs.append(g(x))
+    for i, y in enumerate(outs):
+        assert_same_bits(y, refs[i % 2], f"execution {i}")
+    assert not np.array_equal(np.asarray(refs[0]), np.asarray(refs[1]))
