@@ -69,11 +69,14 @@ struct alignas(sizeof(T) * VEC) Pack {
   T v[VEC];
 };
 
-// Loads VEC values of x starting at element i (< n); elements >= n read as 0 (the padding of the
-// wire layout). `aligned` says whether a full vector load is allowed (i + VEC <= n).
+// Loads VEC values of x starting at element i (a multiple of VEC); elements >= n read as 0 (the
+// padding of the wire layout). The vector access needs x itself aligned to VEC elements, which
+// XLA's buffers are but the rows of a [P, n] array (virtual ranks) are not when n % VEC != 0:
+// `aligned` says which case this is.
 template <typename T, int VEC>
-__device__ __forceinline__ void load_vec(const T* x, int64_t i, int64_t n, float* out) {
-  if (i + VEC <= n) {
+__device__ __forceinline__ void load_vec(const T* x, int64_t i, int64_t n, float* out,
+                                         bool aligned = true) {
+  if (aligned && i + VEC <= n) {
     Pack<T, VEC> p = *reinterpret_cast<const Pack<T, VEC>*>(x + i);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) out[k] = to_f32<T>(p.v[k]);
@@ -84,8 +87,9 @@ __device__ __forceinline__ void load_vec(const T* x, int64_t i, int64_t n, float
 }
 
 template <typename T, int VEC>
-__device__ __forceinline__ void store_vec(T* y, int64_t i, int64_t n, const float* v) {
-  if (i + VEC <= n) {
+__device__ __forceinline__ void store_vec(T* y, int64_t i, int64_t n, const float* v,
+                                          bool aligned = true) {
+  if (aligned && i + VEC <= n) {
     Pack<T, VEC> p;
 #pragma unroll
     for (int k = 0; k < VEC; ++k) p.v[k] = from_f32<T>(v[k]);

@@ -78,6 +78,7 @@ struct KernelArgs {
   uint64_t base;       // flag base of this call (raised by 3 per call)
   uint64_t timeout_ns;
   int* error;          // host-mapped error word of this rank
+  bool aligned;        // x, y, m1, m2 all aligned to 16 bytes: 128-bit accesses allowed
   CompCoeffs k;
   uint8_t* ws[kMaxCudaRanks];  // workspace base of every rank (peer pointers)
 };
@@ -127,11 +128,11 @@ __device__ bool wait_flag(const KernelArgs& a, const uint64_t* f, uint64_t want,
 // registers when COMP; the padding beyond n is 0 (not compensated, as in the reference).
 template <typename T, int VEC, bool COMP>
 __device__ __forceinline__ void load_contrib(const KernelArgs& a, int64_t i, float* v) {
-  load_vec<T, VEC>(static_cast<const T*>(a.x), i, a.n, v);
+  load_vec<T, VEC>(static_cast<const T*>(a.x), i, a.n, v, a.aligned);
   if constexpr (COMP) {
     float m1[VEC], m2[VEC];
-    load_vec<float, VEC>(a.m1, i, a.n, m1);
-    load_vec<float, VEC>(a.m2, i, a.n, m2);
+    load_vec<float, VEC>(a.m1, i, a.n, m1, a.aligned);
+    load_vec<float, VEC>(a.m2, i, a.n, m2, a.aligned);
 #pragma unroll
     for (int k = 0; k < VEC; ++k)
       if (i + k < a.n) v[k] = comp_apply(v[k], m1[k], m2[k], a.k);
@@ -141,16 +142,16 @@ __device__ __forceinline__ void load_contrib(const KernelArgs& a, int64_t i, flo
 // Stores the output and, when COMP, updates m1/m2 in place (Eq. 4 and 11) from y in fp32.
 template <typename T, int VEC, bool COMP>
 __device__ __forceinline__ void store_output(const KernelArgs& a, int64_t i, const float* y) {
-  store_vec<T, VEC>(static_cast<T*>(a.y), i, a.n, y);
+  store_vec<T, VEC>(static_cast<T*>(a.y), i, a.n, y, a.aligned);
   if constexpr (COMP) {
     float xp[VEC], m1[VEC], m2[VEC], n1[VEC], n2[VEC];
     load_contrib<T, VEC, true>(a, i, xp);
-    load_vec<float, VEC>(a.m1, i, a.n, m1);
-    load_vec<float, VEC>(a.m2, i, a.n, m2);
+    load_vec<float, VEC>(a.m1, i, a.n, m1, a.aligned);
+    load_vec<float, VEC>(a.m2, i, a.n, m2, a.aligned);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) comp_update(xp[k], y[k], m1[k], m2[k], a.k, &n1[k], &n2[k]);
-    store_vec<float, VEC>(a.m1, i, a.n, n1);
-    store_vec<float, VEC>(a.m2, i, a.n, n2);
+    store_vec<float, VEC>(a.m1, i, a.n, n1, a.aligned);
+    store_vec<float, VEC>(a.m2, i, a.n, n2, a.aligned);
   }
 }
 
@@ -311,64 +312,6 @@ __device__ void tail_group(const KernelArgs& a, int seg, int64_t grp, int64_t lo
   }
 }
 
-// The common case g == 32 * VEC (g = 128 with 128-bit loads): one value chunk per lane per group,
-// and kGroupsPerWarp groups per warp at a time, so each lane keeps several independent loads in
-// flight and the statistics / parameter chains of the groups interleave (one group at a time
-// leaves the memory system idle while the warp computes its parameters).
-constexpr int kGroupsPerWarp = 4;
-
-template <typename T, int VEC, bool COMP>
-__device__ void push_groups_multi(const KernelArgs& a, int seg, int64_t grp0, int64_t local0,
-                                  int count, int lane) {
-  const int cb = a.g * a.bits / 8;
-  const int np = num_params(a.policy);
-  float v[kGroupsPerWarp][VEC];
-#pragma unroll
-  for (int j = 0; j < kGroupsPerWarp; ++j)
-    if (j < count) load_contrib<T, VEC, COMP>(a, seg * a.seg_groups * a.g + (grp0 + j) * a.g + lane * VEC, v[j]);
-  uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
-#pragma unroll
-  for (int j = 0; j < kGroupsPerWarp; ++j) {
-    if (j >= count) break;
-    GroupStats st = empty_stats();
-    stats_add_vec(st, v[j], VEC);
-    warp_stats(st);
-    const QuantParams p = make_params(st, a.bits, a.policy);
-    if (lane == 0) {
-      uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset) + (local0 + j) * np;
-      prm[0] = p.s16;
-      if (a.policy != kPolicySym) prm[1] = p.z16;
-    }
-    encode_chunk<VEC>(v[j], p, a.bits, a.policy, slot + (local0 + j) * cb + lane * VEC * a.bits / 8);
-  }
-}
-
-template <typename T, int VEC, bool COMP>
-__device__ void tail_groups_multi(const KernelArgs& a, int seg, int64_t grp0, int64_t local0,
-                                  int count, int lane) {
-  const int cb = a.g * a.bits / 8;
-  const int np = num_params(a.policy);
-  const uint8_t* slot = a.ws[a.me] + gather_slot(seg, a.P, a.slot_bytes);
-  DequantParams d[kGroupsPerWarp];
-  uint8_t codes[kGroupsPerWarp][VEC];
-#pragma unroll
-  for (int j = 0; j < kGroupsPerWarp; ++j) {
-    if (j < count) {
-      d[j] = load_dequant_params(reinterpret_cast<const uint16_t*>(slot + a.params_offset) +
-                                     (local0 + j) * np, a.bits, a.policy);
-      load_codes<VEC>(slot + (local0 + j) * cb + lane * VEC * a.bits / 8, a.bits, codes[j]);
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < kGroupsPerWarp; ++j) {
-    if (j >= count) break;
-    float y[VEC];
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) y[k] = decode_value(codes[j][k], d[j]);
-    store_output<T, VEC, COMP>(a, seg * a.seg_groups * a.g + (grp0 + j) * a.g + lane * VEC, y);
-  }
-}
-
 template <typename T, int VEC, bool COMP>
 __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) {
   __shared__ int give_up;
@@ -377,7 +320,6 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
   const int warps = blockDim.x / kWarp;
   const int others = a.P - 1;
   const int ct = a.chunk_tiles;
-  const bool one_chunk = a.g == kWarp * VEC;
   if (threadIdx.x == 0) give_up = 0;
   __syncthreads();
 
@@ -395,13 +337,8 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
     int64_t first;
     const int count = tile_groups(t, &first);
     const int64_t local = static_cast<int64_t>(t) * a.tile_groups;
-    if (one_chunk) {
-      for (int q = warp * kGroupsPerWarp; q < count; q += warps * kGroupsPerWarp)
-        push_groups_multi<T, VEC, COMP>(a, seg, first + q, local + q, min(kGroupsPerWarp, count - q), lane);
-    } else {
-      for (int q = warp; q < count; q += warps)
-        push_group<T, VEC, COMP>(a, seg, first + q, local + q, lane);
-    }
+    for (int q = warp; q < count; q += warps)
+      push_group<T, VEC, COMP>(a, seg, first + q, local + q, lane);
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) st_release_sys(flag_ptr(a, seg, kStagePush, a.me, t), a.base);
@@ -439,13 +376,8 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
     int64_t first;
     const int count = tile_groups(t, &first);
     const int64_t local = static_cast<int64_t>(t) * a.tile_groups;
-    if (one_chunk) {
-      for (int q = warp * kGroupsPerWarp; q < count; q += warps * kGroupsPerWarp)
-        tail_groups_multi<T, VEC, COMP>(a, seg, first + q, local + q, min(kGroupsPerWarp, count - q), lane);
-    } else {
-      for (int q = warp; q < count; q += warps)
-        tail_group<T, VEC, COMP>(a, seg, first + q, local + q, lane);
-    }
+    for (int q = warp; q < count; q += warps)
+      tail_group<T, VEC, COMP>(a, seg, first + q, local + q, lane);
   }
 
   // After a timeout the output must not look valid: poison this block's grid-stride share.
@@ -624,6 +556,8 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
   a.params_offset = pl.params_offset;
   a.timeout_ns = static_cast<uint64_t>(at.timeout_ms) * 1000000ull;
   a.error = grp.dev_error[rank];
+  auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  a.aligned = aligned16(x) && aligned16(y) && (m1 == nullptr || (aligned16(m1) && aligned16(m2)));
   a.k = at.k;
   for (int r = 0; r < at.P; ++r) a.ws[r] = grp.ws[r];
   for (int64_t t0 = 0; t0 < pl.tiles_per_segment; t0 += pl.chunk_tiles) {

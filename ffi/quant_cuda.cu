@@ -70,94 +70,6 @@ __global__ void __launch_bounds__(kQuantThreads)
   }
 }
 
-// The common case g == 32 * VEC (g = 128 in fp32/bf16 with 128-bit loads): one chunk per lane
-// and GPW groups per warp iteration, so each lane has GPW independent loads in flight and the
-// GPW statistics / parameter chains interleave. One group per iteration leaves the memory
-// system idle while a warp computes its parameters.
-template <typename T, int VEC, int GPW>
-__global__ void __launch_bounds__(kQuantThreads)
-    quantize_kernel_multi(const T* x, int64_t groups, int bits, int policy, uint8_t* packed,
-                          uint16_t* params) {
-  constexpr int g = kWarp * VEC;
-  const int lane = threadIdx.x % kWarp;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
-  const int cb = g * bits / 8;
-  const int np = num_params(policy);
-  const int64_t n = groups * g;
-  for (int64_t base = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp * GPW;
-       base < groups; base += warps * GPW) {
-    float v[GPW][VEC];
-    GroupStats st[GPW];
-#pragma unroll
-    for (int j = 0; j < GPW; ++j) {
-      const int64_t e = (base + j) * g + lane * VEC;
-      if (base + j < groups) {
-        load_vec<T, VEC>(x, e, n, v[j]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) v[j][k] = 0.0f;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < GPW; ++j) {
-      st[j] = GroupStats{v[j][0], v[j][0], true};
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        if (!is_finite(v[j][k])) st[j].finite = false;
-        st[j].lo = min_f(st[j].lo, v[j][k]);
-        st[j].hi = max_f(st[j].hi, v[j][k]);
-      }
-      warp_stats(st[j]);
-    }
-#pragma unroll
-    for (int j = 0; j < GPW; ++j) {
-      const int64_t grp = base + j;
-      if (grp >= groups) break;
-      const QuantParams p = make_params(st[j], bits, policy);
-      if (lane == 0) {
-        params[grp * np] = p.s16;
-        if (np == 2) params[grp * np + 1] = p.z16;
-      }
-      uint8_t codes[VEC];
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) codes[k] = encode_value(v[j][k], p, bits, policy);
-      store_codes<VEC>(packed + grp * cb + lane * VEC * bits / 8, bits, codes);
-    }
-  }
-}
-
-template <int VEC, int GPW>
-__global__ void __launch_bounds__(kQuantThreads)
-    dequantize_kernel_multi(const uint8_t* packed, const uint16_t* params, int64_t groups,
-                            int bits, int policy, float* y) {
-  constexpr int g = kWarp * VEC;
-  const int lane = threadIdx.x % kWarp;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
-  const int cb = g * bits / 8;
-  const int np = num_params(policy);
-  const int64_t n = groups * g;
-  for (int64_t base = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp * GPW;
-       base < groups; base += warps * GPW) {
-    DequantParams d[GPW];
-    uint8_t codes[GPW][VEC];
-#pragma unroll
-    for (int j = 0; j < GPW; ++j) {
-      if (base + j < groups) {
-        d[j] = load_dequant_params(params + (base + j) * np, bits, policy);
-        load_codes<VEC>(packed + (base + j) * cb + lane * VEC * bits / 8, bits, codes[j]);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < GPW; ++j) {
-      if (base + j >= groups) break;
-      float v[VEC];
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) v[k] = decode_value(codes[j][k], d[j]);
-      store_vec<float, VEC>(y, (base + j) * g + lane * VEC, n, v);
-    }
-  }
-}
-
 template <int VEC>
 __global__ void __launch_bounds__(kQuantThreads)
     dequantize_kernel(const uint8_t* packed, const uint16_t* params, int64_t groups, int g,
@@ -208,13 +120,6 @@ template <typename T>
 void launch_quantize(cudaStream_t s, const void* x, int64_t groups, int g, int bits, int policy,
                      uint8_t* packed, uint16_t* params) {
   const T* xt = static_cast<const T*>(x);
-  if (g == kWarp * 4) {
-    constexpr int kGroupsPerWarp = 4;
-    const int grid = grid_for((groups + kGroupsPerWarp - 1) / kGroupsPerWarp);
-    quantize_kernel_multi<T, 4, kGroupsPerWarp><<<grid, kQuantThreads, 0, s>>>(
-        xt, groups, bits, policy, packed, params);
-    return;
-  }
   const int grid = grid_for(groups);
   if (g % 4 == 0)
     quantize_kernel<T, 4><<<grid, kQuantThreads, 0, s>>>(xt, groups, g, bits, policy, packed, params);
@@ -279,11 +184,7 @@ static ffi::Error EchoDequantizeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> p
   if (err.failure()) return err;
   const int64_t groups = static_cast<int64_t>(y->element_count()) / group_size;
   const int g = static_cast<int>(group_size), b = static_cast<int>(bits), p = static_cast<int>(policy);
-  if (g == echo::cuda::kWarp * 4) {
-    const int grid = echo::cuda::grid_for((groups + 3) / 4);
-    echo::cuda::dequantize_kernel_multi<4, 4><<<grid, echo::cuda::kQuantThreads, 0, stream>>>(
-        packed.typed_data(), params.typed_data(), groups, b, p, y->typed_data());
-  } else if (g % 4 == 0)
+  if (g % 4 == 0)
     echo::cuda::dequantize_kernel<4><<<echo::cuda::grid_for(groups), echo::cuda::kQuantThreads, 0, stream>>>(
         packed.typed_data(), params.typed_data(), groups, g, b, p, y->typed_data());
   else if (g % 2 == 0)
