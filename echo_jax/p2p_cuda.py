@@ -14,33 +14,26 @@ All of them return the same bits as the pure-JAX reference (`echo_jax.quant`,
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from echo_jax import compensator as comp
+from echo_jax import p2p
 from echo_jax import quant
 from echo_jax.config import EchoConfig
 
-POLICY_CODES = {"asym": 0, "sym": 1, "asym_naive": 2}
 MAX_RANKS = 8
 
 #: Seconds a rank waits for a peer before giving up (default 10; shared with the CPU handler).
-TIMEOUT_ENV = "ECHO_JAX_TIMEOUT_S"
+TIMEOUT_ENV = p2p.TIMEOUT_ENV
+POLICY_CODES = p2p.POLICY_CODES
 
 
 def timeout_ms() -> int:
-    """The bound on every wait for a peer, read when a call is traced."""
-    text = os.environ.get(TIMEOUT_ENV, "10")
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {text!r}") from None
-    if not seconds > 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be positive, got {text!r}")
-    return max(1, int(seconds * 1000))
+    """The bound on every wait for a peer, read when a call is traced (same rule as on CPU)."""
+    return p2p._timeout_ms()
 
 
 @functools.lru_cache(maxsize=None)
