@@ -37,7 +37,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -144,12 +143,17 @@ template <typename T, int VEC, bool COMP>
 __device__ __forceinline__ void store_output(const KernelArgs& a, int64_t i, const float* y) {
   store_vec<T, VEC>(static_cast<T*>(a.y), i, a.n, y, a.aligned);
   if constexpr (COMP) {
+    // x' is recomputed from x, m1, m2 (each read once here) rather than kept from the push
+    // stage: the tail runs long after the push of the same values.
     float xp[VEC], m1[VEC], m2[VEC], n1[VEC], n2[VEC];
-    load_contrib<T, VEC, true>(a, i, xp);
+    load_vec<T, VEC>(static_cast<const T*>(a.x), i, a.n, xp, a.aligned);
     load_vec<float, VEC>(a.m1, i, a.n, m1, a.aligned);
     load_vec<float, VEC>(a.m2, i, a.n, m2, a.aligned);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) comp_update(xp[k], y[k], m1[k], m2[k], a.k, &n1[k], &n2[k]);
+    for (int k = 0; k < VEC; ++k) {
+      if (i + k < a.n) xp[k] = comp_apply(xp[k], m1[k], m2[k], a.k);  // as load_contrib
+      comp_update(xp[k], y[k], m1[k], m2[k], a.k, &n1[k], &n2[k]);
+    }
     store_vec<float, VEC>(a.m1, i, a.n, n1, a.aligned);
     store_vec<float, VEC>(a.m2, i, a.n, n2, a.aligned);
   }
@@ -504,14 +508,15 @@ ffi::Error setup_rank_on_device(Group& grp, int r) {
   return ffi::Error::Success();
 }
 
+// Plain string concatenation, no std::ostringstream: an ostream insertion inside the handler
+// crashed on the device image (libstdc++ locale state of the loaded module), std::to_string
+// does not touch the locale.
 std::string describe_error(int code, int rank) {
   const int stage = (code - 1) / 256, peer = (code - 1) % 256;
-  std::ostringstream os;
-  os << "rank " << rank << " timed out in the " << (stage == kStagePush ? "reduce" : "tail")
-     << " stage waiting for rank " << peer
-     << (stage == kStagePush ? "'s push" : "'s gather")
-     << " (a peer never arrived); the group's workspace is no longer usable in this process";
-  return os.str();
+  const bool push = stage == kStagePush;
+  return "rank " + std::to_string(rank) + " timed out in the " + (push ? "reduce" : "tail") +
+         " stage waiting for rank " + std::to_string(peer) + (push ? "'s push" : "'s gather") +
+         " (a peer never arrived); the group's workspace is no longer usable in this process";
 }
 
 struct CallAttrs {
@@ -673,11 +678,13 @@ ffi::Error RankImpl(cudaStream_t stream, ffi::AnyBuffer x,
   if (rank < 0)
     return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): device " + std::to_string(device) +
                                        " is in no group of the groups attribute");
-  std::ostringstream key;
-  key << "gpu";
+  std::string key = "gpu";
   std::vector<int> devs;
-  for (int r = 0; r < at.P; ++r) { devs.push_back(static_cast<int>(groups[first + r])); key << ":" << devs.back(); }
-  Group* grp = get_group(key.str());
+  for (int r = 0; r < at.P; ++r) {
+    devs.push_back(static_cast<int>(groups[first + r]));
+    key += ":" + std::to_string(devs.back());
+  }
+  Group* grp = get_group(key);
   {
     // First call: every rank allocates its workspace, then all wait until the group is
     // complete, so no kernel spins while a peer is still inside a blocking CUDA call.
