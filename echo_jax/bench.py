@@ -1,28 +1,89 @@
-"""Jit-compiled benchmarks of the Echo kernels and of the all-reduce on virtual ranks.
+"""Jit-compiled benchmarks of the Echo all-reduce, its kernels and a tensor-parallel model.
 
-    python -m echo_jax.bench kernels  [--sizes 64MB,256MB] [--json OUT]
-    python -m echo_jax.bench virtual  [--ranks 4] [--sizes 16MB,256MB] [--json OUT]
+    python -m echo_jax.bench allreduce [--sizes small,large] [--ranks P] [--virtual] [--rows ...]
+                                       [--iters 80] [--warmup 30] [--gate] [--json OUT] [--png OUT]
+    python -m echo_jax.bench gate      [--sizes small] [--gate-row ROW]   (the size-gate threshold)
+    python -m echo_jax.bench e2e       [--preset tiny] [--tp P] [--modes psum,echo4-comp]
+                                       [--background-load 0,50,75,100] [--json OUT]
+    python -m echo_jax.bench kernels   [--sizes 64MB,256MB] [--json OUT]          (one GPU)
+    python -m echo_jax.bench virtual   [--ranks 4] [--sizes 16MB,256MB] [--json OUT]  (one GPU)
 
-Timing: each measured op runs `--iters` times inside one jitted `lax.fori_loop`, chained through
-an optimization barrier so XLA can neither hoist nor drop it; the loop is timed with the wall
-clock after a warm-up run and `block_until_ready`, and the per-call time is the loop time divided
-by the iterations (the median over `--repeats` loops). Dispatch costs are thus amortised over the
-loop; the numbers are device time plus the loop's own (negligible) bookkeeping.
+allreduce: the rows of the Echo paper's Table 2 from one run, per message size (bytes per rank):
+`lax.psum` (the 16-bit baseline: NCCL on GPUs), the two-collective Echo protocol in pure JAX
+(transport "xla") at 8 and 4 bits, the Echo custom call (transport "p2p") at 8 and 4 bits, and the
+compensated 4-bit call with the compensator as separate jnp ops around the uncompensated call
+("unfused") or inside it ("fused"). Ranks are the local devices under `jax.shard_map` (on CPU the
+fake devices of XLA_FLAGS=--xla_force_host_platform_device_count, which the command requests
+itself, and the CPU custom call), or with `--virtual` P virtual ranks on one GPU
+(`echo_jax.p2p_cuda.virtual_allreduce`; there the psum row is a local reduction of the P rows, not
+a collective). Every row is checked against the psum row beside its time.
+
+Timing (allreduce, gate, kernels, virtual): each measured op runs inside one jitted
+`lax.fori_loop`, chained through an optimization barrier that carries the op's whole output, so
+XLA can neither hoist it out of the loop nor drop part of it. The loop's trip count is an argument
+of the one compiled program: a first loop of `--warmup` iterations (it also compiles), then
+`--repeats` loops of `--iters` iterations, each timed by the host clock around the loop and
+`block_until_ready`. The per-call time of a loop is its time divided by its iterations, and the
+reported time is the median over the loops. Dispatch is thus amortised over the loop; the numbers
+are device time plus the loop's own (negligible) bookkeeping.
+
+e2e: time to first token (prefill of batch x seq from an empty KV cache, plus the argmax of the
+last position) and the mean training step (forward, backward, AdamW) of a `models` preset, per
+all-reduce mode, optionally under a background copy load; see `bench_e2e`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import statistics
 import sys
+import threading
 import time
 
 UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 
+#: Size aliases of --sizes: the small-message sweep and the large messages of the paper.
+SIZE_ALIASES = {"small": "64KB,256KB,1MB,4MB,16MB", "large": "64MB,256MB,1GB"}
+
+#: Rows of `bench allreduce`, in the order they are run and printed.
+ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-comp-unfused", "p2p4-comp-fused")
+
+ROW_LABELS = {
+    "psum": "lax.psum (16-bit baseline)",
+    "xla8": "two-collective 8-bit (transport xla)",
+    "xla4": "two-collective 4-bit (transport xla)",
+    "p2p8": "Echo custom call 8-bit",
+    "p2p4": "Echo custom call 4-bit",
+    "p2p4-comp-unfused": "4-bit + compensator as separate ops",
+    "p2p4-comp-fused": "4-bit + compensator fused",
+}
+
+#: Rows whose threshold the gate reports by default, best first.
+GATE_ROWS = ("p2p4-comp-fused", "p2p4", "xla4")
+
+#: Estimated bytes of device memory per byte of message in a measured row (inputs, compensator
+#: state, the psum reference, the loop's carry and the op's temporaries); sizes above the
+#: budget are skipped.
+MEMORY_FACTOR = 16
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes and names
+
 
 def parse_size(text: str) -> int:
+    """Bytes of a size such as "64KB", "1.5MB", "1GB" or "4096".
+
+    Args:
+      text: a number with an optional KB / MB / GB suffix (powers of 1024).
+
+    Returns:
+      The size in bytes.
+    """
     text = text.strip().upper()
     for unit, mult in UNITS.items():
         if text.endswith(unit):
@@ -30,13 +91,96 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def time_op(fn, x, iters: int, repeats: int, warmup: int = 1) -> float:
-    """Median seconds per call of fn(x) (see the module docstring)."""
+def parse_sizes(text: str) -> list:
+    """Sorted distinct sizes of a comma list of sizes and aliases ("small", "large").
+
+    Args:
+      text: e.g. "small,large", "64MB,1GB" or "small,256MB".
+
+    Returns:
+      The sizes in bytes, ascending.
+    """
+    sizes = set()
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item.lower() in SIZE_ALIASES:
+            sizes.update(parse_size(s) for s in SIZE_ALIASES[item.lower()].split(","))
+            continue
+        try:
+            size = parse_size(item)
+        except ValueError:
+            raise ValueError(f"bad size {item!r}: use e.g. 64KB, 16MB, 1GB or one of "
+                             f"{sorted(SIZE_ALIASES)}") from None
+        if size <= 0:
+            raise ValueError(f"sizes must be positive, got {item!r}")
+        sizes.add(size)
+    if not sizes:
+        raise ValueError("no sizes given")
+    return sorted(sizes)
+
+
+def format_size(nbytes: int) -> str:
+    """"64KB", "1MB", "1GB", or plain bytes when not a whole number of KB."""
+    for unit, mult in sorted(UNITS.items(), key=lambda kv: -kv[1]):
+        if nbytes >= mult and nbytes % mult == 0:
+            return f"{nbytes // mult}{unit}"
+    return f"{nbytes}B"
+
+
+def device_tag(device) -> str:
+    """Short lower-case name of a device kind: "cpu", "h200", "a100", ..."""
+    if device.platform == "cpu":
+        return "cpu"
+    words = re.sub(r"(?i)\bnvidia\b|\btesla\b", " ", str(device.device_kind)).lower().split()
+    tag = re.sub(r"[^a-z0-9]", "", words[0]) if words else ""
+    return tag or device.platform
+
+
+def machine_name(device, ranks: int, *, virtual: bool = False, simulated: bool = False) -> str:
+    """Name of the setup in default output paths: "cpu8", "h200x4", "h200x1-virtual4", ...
+
+    Args:
+      device: a device of the run (its kind names the machine).
+      ranks: the ranks P.
+      virtual: P virtual ranks of the CUDA custom call on one device.
+      simulated: P ranks simulated by jax.vmap on one device.
+
+    Returns:
+      The name.
+    """
+    tag = device_tag(device)
+    sep = "" if tag == "cpu" else "x"
+    if virtual:
+        return f"{tag}{sep}1-virtual{ranks}"
+    if simulated:
+        return f"{tag}{sep}1-vmap{ranks}"
+    return f"{tag}{sep}{ranks}"
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+
+
+def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None) -> dict:
+    """Time fn(x) in device-side loops (see the module docstring).
+
+    Args:
+      fn: a jax-traceable function of x (a pytree); its output may be a pytree.
+      x: the input, reused by every call.
+      iters: calls per timed loop.
+      repeats: timed loops.
+      warmup: calls of the first, untimed loop (it also compiles); default `iters`.
+
+    Returns:
+      dict(median_s, min_s, max_s, loop_s): seconds per call, and each loop's per-call time.
+    """
     import jax
-    import jax.numpy as jnp
     from jax import lax
 
-    out_shape = jax.eval_shape(fn, x)
+    iters, repeats = max(1, int(iters)), max(1, int(repeats))
+    warmup = iters if warmup is None else max(1, int(warmup))
 
     def body(_, carry):
         v, _ = carry
@@ -44,19 +188,818 @@ def time_op(fn, x, iters: int, repeats: int, warmup: int = 1) -> float:
         # input depend on it, so nothing is hoisted out of the loop.
         return lax.optimization_barrier((v, fn(v)))
 
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
-    loop = jax.jit(lambda v: jax.tree.leaves(lax.fori_loop(0, iters, body, (v, zeros))[1])[0])
-    for _ in range(max(1, warmup)):
-        loop(x).block_until_ready()
+    def run(v, n):
+        # The first call starts the carry, so the carry has the output's shardings.
+        carry = lax.optimization_barrier((v, fn(v)))
+        return jax.tree.leaves(lax.fori_loop(1, n, body, carry)[1])[0]
+
+    loop = jax.jit(run)
+    loop(x, warmup).block_until_ready()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        loop(x).block_until_ready()
+        loop(x, iters).block_until_ready()
         times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+    return dict(median_s=statistics.median(times), min_s=min(times), max_s=max(times),
+                loop_s=times)
+
+
+def time_op(fn, x, iters: int, repeats: int, warmup: int | None = None) -> float:
+    """Median seconds per call of fn(x) (`time_op_stats`' median_s)."""
+    return time_op_stats(fn, x, iters, repeats, warmup)["median_s"]
+
+
+def timing_note(iters: int, warmup: int, repeats: int) -> str:
+    """How `time_op_stats` timed, for the JSON output."""
+    return (f"device-side loop: each row runs inside one jitted lax.fori_loop (an optimization "
+            f"barrier carries the whole output); one untimed loop of {warmup} iterations "
+            f"(warm-up and compilation), then {repeats} loops of {iters} iterations, each timed "
+            "by the host clock around the loop with block_until_ready; median_s is the median "
+            "over the loops of loop time / iterations")
+
+
+def _memory_budget(devices, virtual: bool) -> tuple:
+    """(bytes available to one rank's message, what the budget is) for the size check."""
+    dev = devices[0]
+    if dev.platform == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f}
+            total = info.get("MemAvailable", info["MemTotal"])
+        except (OSError, KeyError, ValueError, IndexError):
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total // len(devices), "host memory available, shared by the CPU ranks"
+    try:
+        limit = dev.memory_stats()["bytes_limit"]
+    except Exception:  # noqa: BLE001 - a backend without memory stats: no check
+        return None, "unknown"
+    return limit, "memory of one device"
+
+
+# --------------------------------------------------------------------------------------------
+# allreduce: the rows
+
+
+def _configs():
+    import echo_jax as ej
+    return {"xla8": ej.EchoConfig(bits=8, transport="xla"),
+            "xla4": ej.EchoConfig(bits=4, transport="xla"),
+            "p2p8": ej.EchoConfig(bits=8, transport="p2p"),
+            "p2p4": ej.EchoConfig(bits=4, transport="p2p"),
+            "comp": ej.EchoConfig(bits=4, transport="p2p")}
+
+
+def _mesh_rows(mesh, ranks: int):
+    """Per-row functions of global [P, n] inputs under jax.shard_map (one rank per device).
+
+    Returns:
+      dict row -> (fn, compensated): fn maps x (or (x, m1, m2) when compensated) to the per-rank
+      results stacked [P, ...] (and the new states).
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as PS
+
+    import echo_jax as ej
+    from echo_jax import compensator as comp
+
+    cfgs = _configs()
+    k = comp.Coefficients.from_config(cfgs["comp"])
+
+    def wrap(body, nargs, nout):
+        # check_vma=False: per-rank program semantics, as in models.model.
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(PS("tp"),) * nargs,
+                                     out_specs=PS("tp") if nout == 1 else (PS("tp"),) * nout,
+                                     check_vma=False))
+
+    def plain(cfg):
+        return wrap(lambda x: ej.echo_psum(x[0], "tp", config=cfg)[None], 1, 1)
+
+    def unfused(x, m1, m2):
+        # The compensator as separate jnp passes around the uncompensated custom call, with
+        # echo_psum's own arithmetic (so the result equals the fused call bit for bit).
+        x32 = x[0].astype(jnp.float32)
+        state = comp.CompensatorState(m1[0], m2[0])
+        xp = comp.apply_correction(x32, state, k)
+        y32 = ej.echo_psum(xp, "tp", config=cfgs["comp"])
+        new = comp.update_state(xp, y32, ranks, state, k)
+        return y32.astype(x.dtype)[None], new.m1[None], new.m2[None]
+
+    def fused(x, m1, m2):
+        y, new = ej.echo_psum(x[0], "tp", config=cfgs["comp"],
+                              state=comp.CompensatorState(m1[0], m2[0]))
+        return y[None], new.m1[None], new.m2[None]
+
+    rows = {"psum": (wrap(lambda x: lax.psum(x[0], "tp")[None], 1, 1), False)}
+    for name in ("xla8", "xla4", "p2p8", "p2p4"):
+        rows[name] = (plain(cfgs[name]), False)
+    f_unfused, f_fused = wrap(unfused, 3, 3), wrap(fused, 3, 3)
+    rows["p2p4-comp-unfused"] = (lambda v: f_unfused(*v), True)
+    rows["p2p4-comp-fused"] = (lambda v: f_fused(*v), True)
+    return rows
+
+
+def _virtual_rows(ranks: int):
+    """Per-row functions of [P, n] inputs on one GPU (P virtual ranks); see `_mesh_rows`."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    import echo_jax as ej
+    from echo_jax import compensator as comp
+    from echo_jax import p2p_cuda
+
+    cfgs = _configs()
+    wire = {name: c.replace(transport="auto") for name, c in cfgs.items()}
+    k = comp.Coefficients.from_config(wire["comp"])
+
+    def vmapped(f):
+        return jax.jit(jax.vmap(f, axis_name="tp"))
+
+    def unfused(v):
+        x, m1, m2 = v
+        state = comp.CompensatorState(m1, m2)
+        xp = comp.apply_correction(x.astype(jnp.float32), state, k)
+        y32 = p2p_cuda.virtual_allreduce(xp, wire["comp"])
+        new = comp.update_state(xp, y32, ranks, state, k)
+        return y32.astype(x.dtype), new.m1, new.m2
+
+    def fused(v):
+        x, m1, m2 = v
+        y, new = p2p_cuda.virtual_allreduce(x, wire["comp"], comp.CompensatorState(m1, m2))
+        return y, new.m1, new.m2
+
+    rows = {"psum": (vmapped(lambda r: lax.psum(r, "tp")), False)}
+    for name in ("xla8", "xla4"):
+        rows[name] = (vmapped(lambda r, c=cfgs[name]: ej.echo_psum(r, "tp", config=c)), False)
+    for name in ("p2p8", "p2p4"):
+        rows[name] = (jax.jit(lambda v, c=wire[name]: p2p_cuda.virtual_allreduce(v, c)), False)
+    rows["p2p4-comp-unfused"] = (jax.jit(unfused), True)
+    rows["p2p4-comp-fused"] = (jax.jit(fused), True)
+    return rows
+
+
+def _row_unavailable(name: str, fn, example, virtual: bool):
+    """Why a row cannot run here (None when it can): traces it on `example`."""
+    import jax
+
+    if virtual and name.startswith("p2p"):
+        from echo_jax import p2p_cuda
+        if not p2p_cuda.available():
+            return "the CUDA custom call (echo_jax._ffi_cuda) or a GPU is missing"
+    try:
+        jax.eval_shape(fn, example)
+    except (ValueError, ImportError, NotImplementedError) as err:
+        return str(err).split("\n")[0]
+    return None
+
+
+def bench_allreduce(args) -> dict:
+    """Run the all-reduce rows (`ROWS`) at every size and check them against psum.
+
+    Args:
+      args: parsed flags: sizes (bytes per rank), ranks (None: all local devices; with virtual:
+        4), virtual, rows (None: all that can run), iters, warmup, repeats, dtype, seed,
+        memory_check.
+
+    Returns:
+      dict(benchmark, machine, device, ranks, timing, notes, rows, skipped). Each row: row,
+      size_bytes, ranks, dtype, median_s, min_s, max_s, loop_s, speedup_vs_psum, max_abs_err
+      (against the psum row), bit_identical_across_ranks, and for the fused row
+      bit_identical_to_unfused (result and state).
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as PS
+
+    dtype = jnp.dtype(args.dtype)
+    devices = jax.devices()
+    if args.virtual:
+        if devices[0].platform != "gpu":
+            raise ValueError("--virtual needs a GPU (P virtual ranks of the CUDA custom call "
+                             "on one device)")
+        ranks = args.ranks or 4
+        mesh, devices = None, devices[:1]
+    else:
+        ranks = args.ranks or len(devices)
+        if ranks > len(devices):
+            raise ValueError(f"--ranks {ranks} but only {len(devices)} devices; on CPU set "
+                             "XLA_FLAGS=--xla_force_host_platform_device_count, on one GPU "
+                             "use --virtual")
+        devices = devices[:ranks]
+        mesh = jax.sharding.Mesh(np.array(devices), ("tp",))
+    machine = machine_name(devices[0], ranks, virtual=args.virtual)
+    wanted = list(ROWS) if args.rows is None else list(args.rows)
+    if "psum" not in wanted:
+        wanted.insert(0, "psum")  # the reference of every row's error and speedup
+    budget, budget_what = _memory_budget(devices, args.virtual)
+    per_size_factor = MEMORY_FACTOR * (ranks if args.virtual else 1)
+
+    ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+    rows, skipped, unavailable = [], [], {}
+    with ctx:
+        table = _virtual_rows(ranks) if args.virtual else _mesh_rows(mesh, ranks)
+        sharding = None if mesh is None else NamedSharding(mesh, PS("tp"))
+
+        def place(a):
+            return jnp.asarray(a) if sharding is None else jax.device_put(a, sharding)
+
+        check = jax.jit(_compare)
+        example = jax.ShapeDtypeStruct((ranks, 1024), dtype, sharding=sharding)
+        example_c = (example, jax.ShapeDtypeStruct((ranks, 1024), jnp.float32, sharding=sharding),
+                     jax.ShapeDtypeStruct((ranks, 1024), jnp.float32, sharding=sharding))
+        for name in wanted:
+            fn, compensated = table[name]
+            reason = _row_unavailable(name, fn, example_c if compensated else example,
+                                      args.virtual)
+            if reason is not None:
+                unavailable[name] = reason
+                print(f"note: row {name} cannot run here: {reason}", file=sys.stderr)
+        for size in args.sizes:
+            need = per_size_factor * size
+            if args.memory_check and budget is not None and need > budget:
+                skipped.append(dict(size_bytes=size, reason=(
+                    f"needs about {need / 2**30:.1f} GiB ({MEMORY_FACTOR} x the message"
+                    f"{' x P' if args.virtual else ''}), {budget_what}: "
+                    f"{budget / 2**30:.1f} GiB (--no-memory-check runs it anyway)")))
+                print(f"note: size {format_size(size)} skipped: {skipped[-1]['reason']}",
+                      file=sys.stderr)
+                continue
+            n = max(1, size // dtype.itemsize)
+            x = place(jax.random.normal(jax.random.key(args.seed), (ranks, n), jnp.float32)
+                      .astype(dtype))
+            # The compensated rows are timed and compared with each other from the state left
+            # by one call on x (a live state); their error against psum is that of a call with
+            # a zero state (the first site of a pass), since a live correction moves the result
+            # away from this call's exact sum on purpose.
+            zeros = place(jnp.zeros((ranks, n), jnp.float32))
+            m1, m2 = zeros, zeros
+            for cname in ("p2p4-comp-unfused", "p2p4-comp-fused"):
+                if cname in wanted and cname not in unavailable:
+                    _, m1, m2 = table[cname][0]((x, zeros, zeros))
+                    break
+            ref = None
+            outputs = {}
+            for name in wanted:
+                if name in unavailable:
+                    continue
+                fn, compensated = table[name]
+                inp = (x, m1, m2) if compensated else x
+                stats = time_op_stats(fn, inp, args.iters, args.repeats, args.warmup)
+                out = fn(inp)
+                y = fn((x, zeros, zeros))[0] if compensated else out
+                if ref is None:
+                    ref = y  # the psum row runs first
+                err, identical = (float(v) for v in check(y, ref))
+                row = dict(row=name, label=ROW_LABELS[name], size_bytes=size, ranks=ranks,
+                           dtype=dtype.name, **stats, max_abs_err=err,
+                           bit_identical_across_ranks=bool(identical))
+                if compensated:
+                    outputs[name] = out
+                if name == "p2p4-comp-fused" and "p2p4-comp-unfused" in outputs:
+                    row["bit_identical_to_unfused"] = all(
+                        bool(np.array_equal(np.asarray(a), np.asarray(b)))
+                        for a, b in zip(out, outputs["p2p4-comp-unfused"]))
+                rows.append(row)
+                print(f"  {format_size(size):>6} {name:<18} {stats['median_s'] * 1e3:10.4f} ms"
+                      f"  err {err:.3g}", file=sys.stderr, flush=True)
+            base = {r["row"]: r["median_s"] for r in rows if r["size_bytes"] == size}
+            for r in rows:
+                if r["size_bytes"] == size:
+                    r["speedup_vs_psum"] = base["psum"] / r["median_s"]
+            del x, m1, m2, zeros, ref, outputs
+    notes = ["max_abs_err: max over every rank and element of |row - psum row|, in the row's "
+             "dtype; bit_identical_across_ranks: every rank returned the same bits",
+             "compensated rows are timed with the compensator state left by one earlier call "
+             "on the same input, and bit_identical_to_unfused compares the fused row's result "
+             "and new state with the unfused row's from that state; their max_abs_err is that "
+             "of a call with a zero state (the first site of a pass)"]
+    if args.virtual:
+        notes.append("P virtual ranks share one GPU (no interconnect; all traffic is local "
+                     "memory); the psum row is a vmap psum (a local reduction of the P rows), "
+                     "the xla rows the pure-JAX protocol under vmap: not a multi-GPU all-reduce")
+    elif devices[0].platform == "cpu":
+        notes.append("CPU fake devices: the ranks are host threads sharing the machine's cores "
+                     "and memory; the p2p rows use the CPU custom call. Not representative of "
+                     "GPU interconnects")
+    return dict(benchmark="allreduce", machine=machine, device=str(devices[0].device_kind),
+                platform=devices[0].platform, ranks=ranks, virtual=bool(args.virtual),
+                dtype=dtype.name, sizes=list(args.sizes),
+                timing=timing_note(args.iters, args.warmup, args.repeats), notes=notes,
+                rows=rows, unavailable_rows=unavailable, skipped_sizes=skipped)
+
+
+def _compare(y, ref):
+    """(max |y - ref|, whether every rank (row of y) holds the same bits as rank 0)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    err = jnp.max(jnp.abs(y.astype(jnp.float32) - ref.astype(jnp.float32)))
+    uint = {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(y.dtype).itemsize]
+    bits = lax.bitcast_convert_type(y, uint)
+    return err, jnp.all(bits == bits[:1])
+
+
+# --------------------------------------------------------------------------------------------
+# The size gate
+
+
+def derive_gate(rows, row: str) -> dict:
+    """The size-gate threshold (`EchoConfig.min_bytes`) for one row from a size sweep.
+
+    The threshold is the smallest measured size from which on the row is at least as fast as
+    the psum row at every larger measured size; messages below it go to psum. Sizes between two
+    measured ones count with the larger (conservative: no measured size is slower than psum).
+
+    Args:
+      rows: `bench_allreduce` rows (several sizes, with a psum row per size).
+      row: the Echo row to gate.
+
+    Returns:
+      dict(row, min_bytes (None when the row is never faster), speedups {size: x}, note).
+    """
+    speed = {r["size_bytes"]: r["speedup_vs_psum"] for r in rows if r["row"] == row}
+    if not speed:
+        return dict(row=row, min_bytes=None, speedups={}, note=f"row {row} was not measured")
+    sizes = sorted(speed)
+    threshold = None
+    for s in reversed(sizes):
+        if speed[s] < 1.0:
+            break
+        threshold = s
+    if threshold is None:
+        note = (f"{row} is slower than psum at the largest measured size "
+                f"({format_size(sizes[-1])}); measure larger sizes")
+    elif threshold == sizes[0]:
+        note = (f"{row} is at least as fast as psum at every measured size; the gate is set at "
+                "the smallest one, since smaller messages were not measured")
+    else:
+        note = (f"{row} is at least as fast as psum from {format_size(threshold)} on; "
+                f"EchoConfig(min_bytes={threshold}) sends smaller messages to psum")
+    return dict(row=row, min_bytes=threshold, speedups={str(s): speed[s] for s in sizes},
+                note=note)
+
+
+def gate_summary(result: dict, gate_row: str | None) -> dict:
+    """Gate thresholds of every measured Echo row and the recommended one (`gate_row`)."""
+    measured = [r for r in ROWS if r != "psum" and any(x["row"] == r for x in result["rows"])]
+    per_row = {r: derive_gate(result["rows"], r) for r in measured}
+    if gate_row is None:
+        gate_row = next((r for r in GATE_ROWS if r in per_row), measured[0] if measured else None)
+    chosen = per_row.get(gate_row) if gate_row else None
+    return dict(row=gate_row, min_bytes=None if chosen is None else chosen["min_bytes"],
+                note=None if chosen is None else chosen["note"], per_row=per_row,
+                dtype=result["dtype"],
+                caveat="bytes per rank in the measured dtype; the crossover depends on the "
+                       "machine, P and the dtype, so derive it on the machine that runs the model")
+
+
+# --------------------------------------------------------------------------------------------
+# Output: table and plot
+
+
+def format_allreduce_table(result: dict) -> str:
+    """The rows as a text table (one line per size and row)."""
+    head = ("size/rank", "row", "median", "speedup", "max|err|", "identical")
+    widths = (9, 18, 12, 8, 10, 9)
+    lines = [f"all-reduce on {result['machine']} ({result['device']}), P={result['ranks']}, "
+             f"{result['dtype']}",
+             "  ".join(h.rjust(w) if i != 1 else h.ljust(w)
+                       for i, (h, w) in enumerate(zip(head, widths))),
+             "  ".join("-" * w for w in widths)]
+    for r in result["rows"]:
+        ms = r["median_s"] * 1e3
+        t = f"{ms:.3f} ms" if ms < 1e3 else f"{ms / 1e3:.3f} s"
+        cells = (format_size(r["size_bytes"]), r["row"], t, f"{r['speedup_vs_psum']:.2f}x",
+                 f"{r['max_abs_err']:.3g}", "yes" if r["bit_identical_across_ranks"] else "NO")
+        lines.append("  ".join(c.rjust(w) if i != 1 else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(cells, widths))))
+    for name, why in result.get("unavailable_rows", {}).items():
+        lines.append(f"not run: {name}: {why}")
+    for s in result.get("skipped_sizes", []):
+        lines.append(f"not run: {format_size(s['size_bytes'])}: {s['reason']}")
+    gate = result.get("gate")
+    if gate:
+        lines.append(f"size gate ({gate['row']}): min_bytes = {gate['min_bytes']}  "
+                     f"({gate['note']})")
+    return "\n".join(lines)
+
+
+def plot_allreduce(result: dict, path: str) -> None:
+    """Latency and speedup over psum against the message size, one line per row (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in ROWS:
+        pts = sorted((r["size_bytes"], r["median_s"], r["speedup_vs_psum"])
+                     for r in result["rows"] if r["row"] == name)
+        if not pts:
+            continue
+        s = [p[0] for p in pts]
+        style = dict(marker="o", label=name, linestyle="--" if name == "psum" else "-")
+        ax1.plot(s, [p[1] * 1e3 for p in pts], **style)
+        ax2.plot(s, [p[2] for p in pts], **style)
+    sizes = sorted({r["size_bytes"] for r in result["rows"]})
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [format_size(s) for s in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("message size per rank")
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("median latency (ms)")
+    ax2.axhline(1.0, color="gray", linewidth=1)
+    ax2.set_ylabel("speedup over psum (x)")
+    ax1.legend(fontsize=8)
+    fig.suptitle(f"all-reduce, {result['machine']} ({result['device']}), P={result['ranks']}, "
+                 f"{result['dtype']}")
+    fig.tight_layout()
+    _makedirs(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _makedirs(path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def _write_json(path: str, result: dict) -> None:
+    _makedirs(path)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+
+
+# --------------------------------------------------------------------------------------------
+# e2e: time to first token and training step of a models preset
+
+
+class BackgroundLoad:
+    """Copies on a background thread for a fraction `duty` of the time (a context manager).
+
+    With two or more devices every busy slice copies a buffer from each device to the next one
+    (a ring of device-to-device copies through the runtime: peer-to-peer copies between GPUs,
+    memory copies between CPU fake devices). With one device it runs a jitted elementwise pass
+    over a buffer on that device (a read and a write of the buffer per pass), which competes for
+    the device and its memory bandwidth, not for a link. The thread is busy for `duty` of each
+    `period_s` and sleeps for the rest; the busy fraction it achieved is `measured_duty`.
+    """
+
+    def __init__(self, duty: float, devices, nbytes: int, period_s: float = 0.05):
+        """Args:
+          duty: fraction of the time in [0, 1] (0: no load).
+          devices: the devices of the run.
+          nbytes: bytes of the buffer per device.
+          period_s: length of one busy + idle cycle.
+        """
+        self.duty, self.devices, self.nbytes, self.period_s = duty, list(devices), nbytes, period_s
+        self.measured_duty = 0.0
+        self.copies = 0
+        self._stop = threading.Event()
+        self._thread = None
+        self._error = None
+
+    def _copier(self):
+        import jax
+        import jax.numpy as jnp
+
+        n = max(1, self.nbytes // 4)
+        bufs = [jax.device_put(jnp.zeros((n,), jnp.float32), d) for d in self.devices]
+        if len(bufs) >= 2:
+            targets = self.devices[1:] + self.devices[:1]
+
+            def once():
+                nonlocal bufs
+                bufs = [jax.device_put(b, d) for b, d in zip(bufs, targets)]
+                jax.block_until_ready(bufs)
+        else:
+            step = jax.jit(lambda b: b + 1.0)
+
+            def once():
+                bufs[0] = step(bufs[0])
+                bufs[0].block_until_ready()
+        once()  # compile / first allocation outside the measured window
+        return once
+
+    def _run(self, once):
+        busy, start = 0.0, time.perf_counter()
+        try:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                while True:  # a busy slice: at least one copy
+                    once()
+                    self.copies += 1
+                    if self._stop.is_set() or (
+                            self.duty < 1.0
+                            and time.perf_counter() - t0 >= self.duty * self.period_s):
+                        break
+                busy += time.perf_counter() - t0
+                if self.duty < 1.0:
+                    # Idle until the busy fraction so far is back at `duty` (corrects slices
+                    # that overran and late wake-ups).
+                    self._stop.wait(max(0.0, busy / self.duty - (time.perf_counter() - start)))
+        except Exception as err:  # noqa: BLE001 - reported by __exit__
+            self._error = err
+        self.measured_duty = busy / max(time.perf_counter() - start, 1e-9)
+
+    def __enter__(self):
+        if self.duty > 0:
+            once = self._copier()
+            self._thread = threading.Thread(target=self._run, args=(once,), daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        if self._error is not None and exc[0] is None:
+            raise RuntimeError(f"background load failed: {self._error}") from self._error
+        return False
+
+
+_MODE_RE = re.compile(r"^(psum|echo(4|8)(-comp)?)$")
+
+
+def parse_modes(text: str) -> list:
+    """All-reduce modes of `bench e2e`: psum (exact, 16-bit), echo8, echo4, echo4-comp, ...
+
+    Args:
+      text: comma list of modes.
+
+    Returns:
+      The list of mode names (psum first).
+    """
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    for m in modes:
+        if not _MODE_RE.match(m):
+            raise ValueError(f"bad mode {m!r}: use psum, echo8, echo4, echo8-comp or echo4-comp")
+    if "psum" in modes:
+        modes.remove("psum")
+    return ["psum"] + modes
+
+
+#: Mode that times the model with every tensor-parallel all-reduce replaced by the identity.
+NO_ALLREDUCE = "no-allreduce"
+
+
+@contextlib.contextmanager
+def _without_allreduce(counter: list):
+    """While active, traced tensor-parallel sites (echo_jax.tp) return their input unreduced.
+
+    The compute is unchanged (same shapes and ops), so the time of a model traced under this is
+    its time without the all-reduces. `counter` receives one entry per site traced.
+    """
+    from echo_jax import tp
+
+    original = tp._reduce
+
+    def identity(x, axis, config, state, rescale):
+        counter.append(1)
+        return x, state
+
+    tp._reduce = identity
+    try:
+        yield
+    finally:
+        tp._reduce = original
+
+
+def _comm_for(mode: str, tp: int, transport: str):
+    from echo_jax.config import EchoConfig
+    from models.config import CommConfig
+
+    if mode == "psum":
+        return CommConfig(tp=tp)
+    if mode == NO_ALLREDUCE:
+        # Its own axis name: the models' compiled-function caches must not mix it with psum's.
+        return CommConfig(tp=tp, axis_name="tp_noar")
+    m = _MODE_RE.match(mode)
+    bits, comp = int(m.group(2)), bool(m.group(3))
+    return CommConfig(tp=tp, echo=EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
+                                             transport=transport))
+
+
+def default_tp(model_cfg, num_devices: int) -> int:
+    """The largest power-of-two P <= the device count that the preset supports (at least 1)."""
+    from models.config import supported_tp
+
+    ok = [p for p in supported_tp(model_cfg) if p <= max(1, num_devices) and p & (p - 1) == 0]
+    return max(ok) if ok else 1
+
+
+def bench_e2e(args) -> dict:
+    """Time to first token and training step of a models preset, per all-reduce mode and load.
+
+    Modes: psum (the exact 16-bit baseline), echo{4,8}[-comp] (Echo with or without the
+    compensator), and, unless args.no_share, "no-allreduce": the same programs with every
+    tensor-parallel all-reduce replaced by the identity. The all-reduce share of a mode is
+    (T_mode - T_no-allreduce) / T_mode at the same load: the part of the time that the
+    all-reduces add to the critical path (the paper's 1 / (1 - share) bound on the speedup of
+    a faster all-reduce follows from it). The small exact psums outside the sites (the QK-norm
+    gradients and the global gradient norm) stay in every mode.
+
+    Args:
+      args: parsed flags: preset, tp (None: `default_tp`), batch, seq, modes, transport,
+        simulate, iters, warmup, loads (percent), background_mb, seed, no_share.
+
+    Returns:
+      dict with the setup, "timing", "definitions" and one row per (load, mode): ttft_s
+      (median), ttft_mean_s, step_s (mean), step_median_s, speedups against psum at the same
+      load, allreduce_share_ttft / allreduce_share_step, measured_load_pct, final_loss.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from models import model as M
+    from models import train as T
+    from models.config import CommConfig, check_tp, get_config
+
+    cfg = get_config(args.preset)
+    devices = jax.devices()
+    tp = args.tp or default_tp(cfg, len(devices))
+    check_tp(cfg, tp)
+    seq = args.seq
+    if seq > cfg.max_seq_len:
+        raise ValueError(f"--seq {seq} exceeds the {args.preset!r} preset's max_seq_len "
+                         f"{cfg.max_seq_len}")
+    mesh, placement = T.make_mesh(CommConfig(tp=tp), args.simulate)
+    simulated = mesh is None
+    used = devices[:1] if simulated else devices[:tp]
+    machine = machine_name(devices[0], tp, simulated=simulated)
+    modes = list(args.modes) + ([] if args.no_share else [NO_ALLREDUCE])
+
+    rng = np.random.default_rng(args.seed)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.batch, seq)), jnp.int32)
+    targets = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.batch, seq)), jnp.int32)
+    full = M.init_params(jax.random.key(args.seed), cfg)
+    oc = T.OptimConfig(lr=3e-4, warmup=10, steps=1000)
+
+    runners = {}
+    for mode in modes:
+        comm = _comm_for(mode, tp, args.transport)
+        m = None if simulated else Mesh(np.array(used), (comm.axis_name,))
+        stacked = M.shard_params(full, tp, cfg)
+        params = T.place(stacked, m, comm)
+        optimizer = T.make_optimizer(oc)
+        opt_state = T.place(M.init_opt_state(optimizer, stacked), m, comm)
+        cache = T.place(M.init_cache(cfg, comm, args.batch, seq), m, comm)
+        step = M.make_train_step(cfg, comm, optimizer, m, clip_norm=oc.clip_norm)
+        runners[mode] = dict(comm=comm, mesh=m, params=params, opt_state=opt_state, cache=cache,
+                             step=step, loss=None)
+
+    def context(mode, counter):
+        r = runners[mode]
+        stack = contextlib.ExitStack()
+        if r["mesh"] is not None:
+            stack.enter_context(jax.set_mesh(r["mesh"]))  # the GPU custom call reads it
+        if mode == NO_ALLREDUCE:
+            stack.enter_context(_without_allreduce(counter))
+        return stack
+
+    def ttft(mode):
+        r = runners[mode]
+        t0 = time.perf_counter()
+        logits, _ = M.prefill(r["params"], tokens, r["cache"], cfg, r["comm"], r["mesh"])
+        jnp.argmax(logits[:, -1], axis=-1).block_until_ready()
+        return time.perf_counter() - t0
+
+    def train_step(mode):
+        r = runners[mode]
+        t0 = time.perf_counter()
+        r["params"], r["opt_state"], loss, _ = r["step"](r["params"], r["opt_state"], tokens,
+                                                        targets)
+        loss.block_until_ready()
+        r["loss"] = float(loss)
+        return time.perf_counter() - t0
+
+    # Compile every program before any load runs.
+    sites = []
+    for mode in modes:
+        with context(mode, sites):
+            ttft(mode)
+            train_step(mode)
+    if NO_ALLREDUCE in modes and not sites:
+        raise RuntimeError("no tensor-parallel site was replaced in the no-allreduce mode "
+                           "(echo_jax.tp._reduce was not called); rerun with --no-share")
+
+    rows = []
+    for load in args.loads:
+        tt = {mode: [] for mode in modes}
+        st = {mode: [] for mode in modes}
+        with BackgroundLoad(load / 100.0, used, args.background_mb << 20) as bg:
+            # Round robin over the modes, so a drift of the machine or of the load does not
+            # favour the mode that happens to run first.
+            for i in range(args.warmup + args.iters):
+                for mode in modes:
+                    with context(mode, []):
+                        t = ttft(mode)
+                    if i >= args.warmup:
+                        tt[mode].append(t)
+            for i in range(args.warmup + args.iters):
+                for mode in modes:
+                    with context(mode, []):
+                        t = train_step(mode)
+                    if i >= args.warmup:
+                        st[mode].append(t)
+        for mode in modes:
+            comm = runners[mode]["comm"]
+            rows.append(dict(
+                mode=mode, load_pct=load, bits=16 if comm.echo is None else comm.echo.bits,
+                compensated=bool(comm.echo is not None and comm.echo.compensated),
+                ttft_s=statistics.median(tt[mode]), ttft_mean_s=statistics.fmean(tt[mode]),
+                step_s=statistics.fmean(st[mode]), step_median_s=statistics.median(st[mode]),
+                final_loss=runners[mode]["loss"]))
+        for r in rows:
+            if r["load_pct"] == load:
+                r["measured_load_pct"] = 100.0 * bg.measured_duty
+                r["background_copies"] = bg.copies
+    for load in args.loads:
+        here = {r["mode"]: r for r in rows if r["load_pct"] == load}
+        base, none = here["psum"], here.get(NO_ALLREDUCE)
+        for r in here.values():
+            r["speedup_ttft_vs_psum"] = base["ttft_s"] / r["ttft_s"]
+            r["speedup_step_vs_psum"] = base["step_s"] / r["step_s"]
+            if none is not None and r["mode"] != NO_ALLREDUCE:
+                r["allreduce_share_ttft"] = (r["ttft_s"] - none["ttft_s"]) / r["ttft_s"]
+                r["allreduce_share_step"] = (r["step_s"] - none["step_s"]) / r["step_s"]
+    msg = args.batch * seq * cfg.dim * jnp.dtype(cfg.dtype).itemsize
+    load_what = ("ring of device-to-device copies between the ranks' devices" if len(used) >= 2
+                 else "jitted elementwise pass over a buffer on the one device (competes for "
+                      "the device, not for a link)")
+    return dict(
+        benchmark="e2e", machine=machine, device=str(devices[0].device_kind),
+        platform=devices[0].platform, preset=args.preset, params=cfg.num_params(),
+        n_layers=cfg.n_layers, dim=cfg.dim, compute_dtype=cfg.dtype, tp=tp, batch=args.batch,
+        seq=seq, placement=placement, transport=args.transport,
+        allreduce_calls=dict(prefill=2 * cfg.n_layers, train_step=4 * cfg.n_layers,
+                             message_bytes_per_rank=int(msg)),
+        timing=(f"host wall clock per call with block_until_ready (dispatch included, as a user "
+                f"sees it); the modes take turns call by call; {args.warmup} untimed calls per "
+                f"mode and load first (compilation happens before any load); ttft_s = median of "
+                f"{args.iters} prefills of {args.batch}x{seq} tokens from an empty KV cache plus "
+                f"the argmax of the last position; step_s = mean of {args.iters} training steps "
+                "(forward, backward, global-norm clipping, AdamW) on one fixed random batch"),
+        definitions=dict(
+            allreduce_share="(T_mode - T_no-allreduce) / T_mode at the same load, where "
+                            "no-allreduce runs the same programs with every tensor-parallel "
+                            "all-reduce site (echo_jax.tp) replaced by the identity; may be "
+                            "slightly negative from noise when the all-reduces cost ~nothing",
+            speedup="T_psum / T_mode at the same load",
+            background_load=f"{load_what}, {args.background_mb} MiB per device, busy for the "
+                            "given duty cycle (busy slices of duty x 50 ms, idle until the busy "
+                            "fraction is back at the duty cycle) on a Python thread; "
+                            "measured_load_pct is the busy fraction it achieved"),
+        rows=rows)
+
+
+def format_e2e_table(result: dict) -> str:
+    """The e2e rows as a text table."""
+    head = ("load", "mode", "TTFT", "x psum", "AR share", "step", "x psum", "AR share")
+    widths = (5, 13, 11, 7, 8, 11, 7, 8)
+    lines = [f"e2e on {result['machine']} ({result['device']}): {result['preset']}, "
+             f"P={result['tp']}, batch {result['batch']} x seq {result['seq']}; "
+             f"{result['placement']}",
+             "  ".join(h.rjust(w) if i != 1 else h.ljust(w)
+                       for i, (h, w) in enumerate(zip(head, widths))),
+             "  ".join("-" * w for w in widths)]
+
+    def t(s):
+        return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.3f} s"
+
+    def share(v):
+        return "" if v is None else f"{100 * v:.1f}%"
+
+    for r in result["rows"]:
+        cells = (f"{r['load_pct']:g}%", r["mode"], t(r["ttft_s"]),
+                 f"{r['speedup_ttft_vs_psum']:.2f}", share(r.get("allreduce_share_ttft")),
+                 t(r["step_s"]), f"{r['speedup_step_vs_psum']:.2f}",
+                 share(r.get("allreduce_share_step")))
+        lines.append("  ".join(c.rjust(w) if i != 1 else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(cells, widths))))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# kernels and virtual (one GPU)
 
 
 def bench_kernels(args) -> dict:
+    """Quantize / dequantize throughput of the CUDA kernels against a copy, on one GPU.
+
+    Args:
+      args: parsed flags: sizes (bytes), iters, repeats.
+
+    Returns:
+      dict(benchmark, device, rows): per op, seconds, bytes moved, GB/s and % of the copy's.
+    """
     import jax
     import jax.numpy as jnp
     import echo_jax as ej
@@ -92,6 +1035,14 @@ def bench_kernels(args) -> dict:
 
 
 def bench_virtual(args) -> dict:
+    """The all-reduce rows on P virtual ranks of one GPU, against the xla 4-bit row.
+
+    Args:
+      args: parsed flags: sizes (bytes per rank), ranks, iters, repeats.
+
+    Returns:
+      dict(benchmark, ranks, device, note, rows); `allreduce --virtual` is the fuller table.
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -145,27 +1096,205 @@ def bench_virtual(args) -> dict:
                     "not representative of a multi-GPU all-reduce", "rows": rows}
 
 
-def main(argv=None) -> int:
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _sizes_arg(text: str) -> list:
+    try:
+        return parse_sizes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _rows_arg(text: str) -> list:
+    rows = [r.strip() for r in text.split(",") if r.strip()]
+    bad = [r for r in rows if r not in ROWS]
+    if bad or not rows:
+        raise argparse.ArgumentTypeError(f"unknown rows {bad}; choose from {','.join(ROWS)}")
+    return [r for r in ROWS if r in rows]
+
+
+def _modes_arg(text: str) -> list:
+    try:
+        return parse_modes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _loads_arg(text: str) -> list:
+    try:
+        loads = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected percentages such as 0,50,100, got "
+                                         f"{text!r}") from None
+    if not loads or any(not 0 <= v <= 100 for v in loads):
+        raise argparse.ArgumentTypeError(f"duty cycles must be in [0, 100], got {text!r}")
+    return loads
+
+
+def _add_allreduce_args(p, gate: bool) -> None:
+    p.add_argument("--sizes", type=_sizes_arg, default=parse_sizes("small" if gate else
+                                                                   "small,large"),
+                   help="message sizes per rank: a comma list of sizes (64KB, 16MB, 1GB) and "
+                        f"aliases small ({SIZE_ALIASES['small']}) and large "
+                        f"({SIZE_ALIASES['large']}). Default: "
+                        f"{'small' if gate else 'small,large'}")
+    p.add_argument("--ranks", type=_positive_int, default=None, metavar="P",
+                   help="ranks P (default: all local devices; 8 fake devices on CPU; 4 with "
+                        "--virtual)")
+    p.add_argument("--virtual", action="store_true",
+                   help="P virtual ranks of the CUDA custom call on one GPU")
+    p.add_argument("--rows", type=_rows_arg, default=None,
+                   help=f"rows to run, from {','.join(ROWS)} (default: all that can run here"
+                        f"{', of psum and ' + ','.join(GATE_ROWS) if gate else ''}; psum always "
+                        "runs, as the reference)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of the contributions (default: %(default)s)")
+    p.add_argument("--iters", type=_positive_int, default=80,
+                   help="calls per timed loop (default: %(default)s)")
+    p.add_argument("--warmup", type=_positive_int, default=30,
+                   help="calls of the untimed first loop (default: %(default)s)")
+    p.add_argument("--repeats", type=_positive_int, default=5,
+                   help="timed loops; the median is reported (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    p.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                   help=f"run sizes above the memory estimate ({MEMORY_FACTOR} x the message "
+                        "per rank) too")
+    if gate:
+        p.set_defaults(gate=True)
+    else:
+        p.add_argument("--gate", action="store_true",
+                       help="also derive the size-gate threshold (EchoConfig.min_bytes) from "
+                            "the measured sizes")
+    p.add_argument("--gate-row", choices=[r for r in ROWS if r != "psum"], default=None,
+                   help="the row the recommended gate is for (default: the first measured of "
+                        f"{', '.join(GATE_ROWS)})")
+    kind = "gate" if gate else "allreduce"
+    p.add_argument("--json", metavar="OUT", default=None,
+                   help=f"JSON output (default: results/bench_{kind}_<machine>.json)")
+    p.add_argument("--png", metavar="OUT", default=None,
+                   help=f"plot (default: results/bench_{kind}_<machine>.png)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `python -m echo_jax.bench`."""
     parser = argparse.ArgumentParser(prog="python -m echo_jax.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("allreduce", help="all-reduce latency of every row against psum",
+                       description="All-reduce latency and correctness of psum, the xla and p2p "
+                                   "transports at 8 and 4 bits and the compensated 4-bit call "
+                                   "(unfused, fused), per message size; table, JSON and PNG.")
+    _add_allreduce_args(p, gate=False)
+    p = sub.add_parser("gate", help="derive the size-gate threshold EchoConfig.min_bytes",
+                       description="The allreduce benchmark on the small-message sweep, and "
+                                   "the smallest size from which Echo is never slower than psum "
+                                   "(EchoConfig.min_bytes: smaller messages go to psum).")
+    _add_allreduce_args(p, gate=True)
+    p = sub.add_parser("e2e", help="time to first token and training step of a models preset",
+                       description=bench_e2e.__doc__.split("\n\n")[0] + ". " +
+                       "The all-reduce share is measured against the same programs with the "
+                       "tensor-parallel all-reduces replaced by the identity.")
+    p.add_argument("--preset", default="tiny", help="models preset (default: %(default)s)")
+    p.add_argument("--tp", type=_positive_int, default=None, metavar="P",
+                   help="tensor-parallel ranks (default: the largest power of two the preset "
+                        "supports within the local devices)")
+    p.add_argument("--simulate", action="store_true",
+                   help="simulate the P ranks with jax.vmap on one device (automatic with "
+                        "fewer than P devices)")
+    p.add_argument("--batch", type=_positive_int, default=8, help="batch (default: %(default)s)")
+    p.add_argument("--seq", type=_positive_int, default=64,
+                   help="sequence length of the prefill and of the training batch (default: "
+                        "%(default)s)")
+    p.add_argument("--modes", type=_modes_arg, default=parse_modes("psum,echo4-comp"),
+                   help="all-reduce modes: psum (exact 16-bit), echo8, echo4, echo8-comp, "
+                        "echo4-comp (default: psum,echo4-comp)")
+    p.add_argument("--transport", choices=("auto", "p2p", "xla"), default="auto",
+                   help="Echo transport (default: %(default)s)")
+    p.add_argument("--background-load", dest="loads", type=_loads_arg, default=[0.0],
+                   metavar="PCTS", help="duty cycles of the background copy load in percent, "
+                                        "e.g. 0,50,75,100 (default: 0)")
+    p.add_argument("--background-mb", type=_positive_int, default=16,
+                   help="MiB per device of the background copies (default: %(default)s)")
+    p.add_argument("--iters", type=_positive_int, default=10,
+                   help="timed calls per mode and load (default: %(default)s)")
+    p.add_argument("--warmup", type=_positive_int, default=3,
+                   help="untimed calls per mode and load (default: %(default)s)")
+    p.add_argument("--no-share", action="store_true",
+                   help="skip the no-allreduce runs (no all-reduce share)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="OUT", default=None,
+                   help="JSON output (default: results/bench_e2e_<machine>.json)")
     for name, default in (("kernels", "64MB,256MB"), ("virtual", "16MB,256MB")):
-        p = sub.add_parser(name)
-        p.add_argument("--sizes", default=default, help="message sizes per rank, e.g. 64MB,1GB")
-        p.add_argument("--iters", type=int, default=30)
-        p.add_argument("--repeats", type=int, default=5)
+        p = sub.add_parser(name, help="quantizer kernels on one GPU" if name == "kernels" else
+                           "older virtual-rank table on one GPU (see allreduce --virtual)")
+        p.add_argument("--sizes", type=_sizes_arg, default=parse_sizes(default),
+                       help="message sizes per rank, e.g. 64MB,1GB")
+        p.add_argument("--iters", type=_positive_int, default=30)
+        p.add_argument("--repeats", type=_positive_int, default=5)
         p.add_argument("--json", help="write the results to this file")
         if name == "virtual":
-            p.add_argument("--ranks", type=int, default=4)
-    args = parser.parse_args(argv)
-    args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+            p.add_argument("--ranks", type=_positive_int, default=4)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run one benchmark command.
+
+    Args:
+      argv: command-line arguments without the program name (default: sys.argv[1:]).
+
+    Returns:
+      The exit status (0 on success, 2 on a usage or configuration error).
+    """
+    args = build_parser().parse_args(argv)
+    if args.cmd == "gate" and args.rows is None:
+        args.rows = [r for r in ROWS if r == "psum" or r in GATE_ROWS]
+    if args.cmd in ("allreduce", "gate", "e2e"):
+        from echo_jax.__main__ import request_host_devices
+        request_host_devices(getattr(args, "ranks", None) or getattr(args, "tp", None) or 8)
+    try:
+        if args.cmd in ("allreduce", "gate"):
+            result = bench_allreduce(args)
+            if args.gate:
+                result["gate"] = gate_summary(result, args.gate_row)
+            print(format_allreduce_table(result))
+            stem = f"results/bench_{args.cmd}_{result['machine']}"
+            out = args.json or f"{stem}.json"
+            _write_json(out, result)
+            print(f"wrote {out}")
+            if not args.no_plot and result["rows"]:
+                png = args.png or f"{stem}.png"
+                plot_allreduce(result, png)
+                print(f"wrote {png}")
+            return 0
+        if args.cmd == "e2e":
+            result = bench_e2e(args)
+            print(format_e2e_table(result))
+            out = args.json or f"results/bench_e2e_{result['machine']}.json"
+            _write_json(out, result)
+            print(f"wrote {out}")
+            return 0
+    except ValueError as err:
+        print(f"python -m echo_jax.bench {args.cmd}: error: {err}", file=sys.stderr)
+        return 2
     result = bench_kernels(args) if args.cmd == "kernels" else bench_virtual(args)
     for row in result["rows"]:
         print(json.dumps(row))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        _write_json(args.json, result)
     return 0
 
 

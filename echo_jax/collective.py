@@ -12,6 +12,10 @@ Protocol (the same for every transport, so they produce the same bits):
    dequantizes the same codes, so all ranks return identical bits. Every element is quantized at
    most twice for any P.
 
+Size gate: a contribution of fewer than `EchoConfig.min_bytes` bytes per rank (each array of a
+pytree decided on its own, statically from its shape and dtype) is summed by `lax.psum` instead,
+exactly and with psum's own semantics; its compensator state is returned unchanged.
+
 The "xla" transport runs this with `lax.all_to_all` and an all-gather, so it works on CPU, GPU and
 TPU, across hosts and under `jax.vmap(..., axis_name=...)` (P simulated ranks on one device). It is
 also the reference of the "p2p" custom call.
@@ -191,6 +195,10 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     if num_ranks == 1:
         return x, state
     x = _to_varying(x, axis)
+    if config.gated(int(jnp.size(x)) * dtype.itemsize):
+        # Size gate: a small message is latency-bound, so the exact psum is the faster call.
+        # Nothing was quantized, so there is no error to feed back: the state passes through.
+        return lax.psum(x, axis), state
     x32 = jnp.ravel(x).astype(jnp.float32)
     shape = jnp.shape(x)
     if state is not None:

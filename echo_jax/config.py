@@ -29,6 +29,12 @@ class EchoConfig:
       beta2: decay of the fast average m2 (Eq. 11).
       transport: "xla" (quantized all-to-all + all-gather in pure JAX), "p2p" (the Echo custom
         call) or "auto" (p2p where it can run, else xla).
+      min_bytes: size gate. A contribution (each array of a pytree on its own) of fewer than
+        `min_bytes` bytes per rank, counted in its own dtype, is summed by `lax.psum` instead
+        (exact, no compensation; a compensator state passes through unchanged). Small messages
+        are latency-bound, so the quantize and the extra round of the Echo protocol can make
+        them slower than psum. Default 0 (the gate is off): the crossover depends on the
+        machine, so measure it there with `python -m echo_jax.bench gate`.
     """
 
     bits: int = 4
@@ -39,6 +45,7 @@ class EchoConfig:
     beta1: float = 0.7
     beta2: float = 0.3
     transport: str = "auto"
+    min_bytes: int = 0
 
     def __post_init__(self):
         if isinstance(self.bits, bool) or self.bits not in BITS:
@@ -62,11 +69,25 @@ class EchoConfig:
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"EchoConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        m = self.min_bytes
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"EchoConfig.min_bytes must be an int >= 0, got {m!r}")
 
     @property
     def compensated(self) -> bool:
         """Whether a compensator state changes the result (eta > 0)."""
         return self.eta > 0.0
+
+    def gated(self, nbytes: int) -> bool:
+        """Whether the size gate sends a contribution to `lax.psum`.
+
+        Args:
+          nbytes: bytes of one rank's contribution (one array), in its own dtype.
+
+        Returns:
+          True when nbytes < min_bytes.
+        """
+        return nbytes < self.min_bytes
 
     def replace(self, **changes) -> "EchoConfig":
         """A copy with some fields changed (validated again)."""

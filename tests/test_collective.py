@@ -257,3 +257,89 @@ def test_kill_switch_and_unavailable_p2p(monkeypatch):
     with pytest.raises(ValueError, match="p2p"):
         collective.resolve_transport(ej.EchoConfig(transport="p2p"), "tp")
     assert collective.resolve_transport(ej.EchoConfig(transport="auto"), "tp") == "xla"
+
+
+# --------------------------------------------------------------------------------------------
+# Size gate (EchoConfig.min_bytes): small messages go to lax.psum
+
+
+def _psum_shard_map(x):
+    mesh = make_mesh((x.shape[0],), ("tp",))
+    f = jax.jit(jax.shard_map(lambda v: lax.psum(v[0], "tp")[None], mesh=mesh, in_specs=P("tp"),
+                              out_specs=P("tp"), check_vma=False))
+    return f(put(x, mesh, P("tp")))
+
+
+@pytest.mark.parametrize("transport", ["xla", "p2p"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_size_gate_below_threshold_is_psum_bit_for_bit(transport, dtype):
+    from echo_jax import p2p
+    if transport == "p2p" and "cpu" not in p2p.available_platforms():
+        pytest.skip("the CPU custom call is not built")
+    x = jax.random.normal(jax.random.key(8), (4, 3, 100)).astype(dtype)
+    nbytes = 300 * jnp.dtype(dtype).itemsize
+    gated = ej.EchoConfig(bits=4, transport=transport, min_bytes=nbytes + 1)
+    y = run_shard_map(x, gated)
+    ref = _psum_shard_map(x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
+    # Under vmap psum is a local reduction (its bf16 rounding differs from the all-reduce's).
+    vref = jax.vmap(lambda v: lax.psum(v, "tp"), axis_name="tp")(x)
+    np.testing.assert_array_equal(np.asarray(run_vmap(x, gated)), np.asarray(vref))
+    # At the threshold the Echo all-reduce runs (4-bit: not the exact sum).
+    echo = run_shard_map(x, gated.replace(min_bytes=nbytes))
+    np.testing.assert_array_equal(np.asarray(echo),
+                                  np.asarray(run_shard_map(x, gated.replace(min_bytes=0))))
+    assert not np.array_equal(np.asarray(echo), np.asarray(ref))
+
+
+def test_size_gate_passes_the_state_through():
+    cfg = ej.EchoConfig(bits=4, transport="xla", min_bytes=1 << 20)
+    x = jax.random.normal(jax.random.key(9), (4, 256))
+    st = ej.CompensatorState(0.1 * x, -0.2 * x)
+    y, m1, m2 = run_shard_map(x, cfg, st)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(_psum_shard_map(x)))
+    np.testing.assert_array_equal(np.asarray(m1), np.asarray(st.m1))
+    np.testing.assert_array_equal(np.asarray(m2), np.asarray(st.m2))
+    yv, sv = run_vmap(x, cfg, st)
+    np.testing.assert_array_equal(np.asarray(yv), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(sv.m1), np.asarray(st.m1))
+
+
+def test_size_gate_decides_per_pytree_leaf():
+    cfg = ej.EchoConfig(bits=4, transport="xla", min_bytes=4 * 64)
+    tree = {"small": jax.random.normal(jax.random.key(10), (4, 63)),
+            "big": jax.random.normal(jax.random.key(11), (4, 640))}
+    y = jax.jit(jax.vmap(lambda t: ej.echo_psum(t, "tp", config=cfg), axis_name="tp"))(tree)
+    exact = jax.vmap(lambda t: lax.psum(t, "tp"), axis_name="tp")(tree)
+    np.testing.assert_array_equal(np.asarray(y["small"]), np.asarray(exact["small"]))
+    ungated = jax.vmap(lambda t: ej.echo_psum(t, "tp", config=cfg.replace(min_bytes=0)),
+                       axis_name="tp")(tree)
+    np.testing.assert_array_equal(np.asarray(y["big"]), np.asarray(ungated["big"]))
+    assert not np.array_equal(np.asarray(y["big"]), np.asarray(exact["big"]))
+
+
+def test_size_gate_under_jit_grad_scan_and_typed_shard_map():
+    cfg = ej.EchoConfig(bits=4, transport="xla", min_bytes=1 << 20)
+
+    def stack(x, reduce):
+        def site(carry, w):
+            h, s = carry
+            y, s = reduce(jnp.tanh(h * w), s)
+            return (h + y / 4, s), jnp.linalg.norm(y)
+        (h, s), _ = lax.scan(site, (x, ej.init_state(x)), jnp.linspace(0.5, 1.5, 5))
+        return jnp.sum(h), s
+
+    echo = lambda v, s: ej.echo_psum(v, "tp", config=cfg, state=s)  # noqa: E731
+    exact = lambda v, s: (lax.psum(v, "tp"), s)  # noqa: E731
+    x = jax.random.normal(jax.random.key(12), (4, 32))
+    grad = lambda r: jax.jit(jax.vmap(jax.grad(lambda v: stack(v, r)[0]),  # noqa: E731
+                                      axis_name="tp"))(x)
+    np.testing.assert_array_equal(np.asarray(grad(echo)), np.asarray(grad(exact)))
+    # Typed shard_map: the gated result is invariant like psum's (out_specs P()).
+    mesh = make_mesh((4,), ("tp",))
+    f = jax.jit(jax.shard_map(lambda v: ej.echo_psum(v[0], "tp", config=cfg), mesh=mesh,
+                              in_specs=P("tp"), out_specs=P()))
+    hlo = f.lower(put(x, mesh, P("tp"))).compile().as_text()
+    assert "all-to-all" not in hlo and "custom-call" not in hlo
+    np.testing.assert_array_equal(np.asarray(f(put(x, mesh, P("tp")))),
+                                  np.asarray(_psum_shard_map(x))[0])

@@ -10,6 +10,7 @@ def test_defaults_match_the_paper():
     assert (c.bits, c.group_size, c.policy) == (4, 128, "asym")
     assert (c.eta, c.blend, c.beta1, c.beta2) == (0.75, 0.35, 0.7, 0.3)
     assert c.transport == "auto"
+    assert c.min_bytes == 0  # the size gate is off unless measured for the machine
     assert hash(c) == hash(EchoConfig())  # usable as a static jit argument
 
 
@@ -17,7 +18,7 @@ def test_defaults_match_the_paper():
     ("bits", 3), ("bits", 16), ("bits", True), ("group_size", 0), ("group_size", -4),
     ("group_size", 127), ("group_size", 12.0), ("policy", "fp8"), ("eta", 1.5), ("eta", -0.1),
     ("blend", 2.0), ("beta1", 1.0), ("beta2", -0.5), ("eta", float("nan")),
-    ("transport", "nccl"),
+    ("transport", "nccl"), ("min_bytes", -1), ("min_bytes", 1.5), ("min_bytes", True),
 ])
 def test_bad_values_name_field_and_value(field, value):
     with pytest.raises(ValueError) as info:
@@ -37,3 +38,10 @@ def test_frozen_and_replace():
     assert c.replace(bits=8).bits == 8
     with pytest.raises(ValueError, match="bits"):
         c.replace(bits=5)
+
+
+def test_size_gate_threshold():
+    c = EchoConfig(min_bytes=1 << 20)
+    assert c.gated((1 << 20) - 1) and not c.gated(1 << 20)
+    assert not EchoConfig().gated(0)
+    assert hash(c) != hash(EchoConfig())

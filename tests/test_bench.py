@@ -1,0 +1,193 @@
+"""Smoke tests of the benchmark CLI (`python -m echo_jax.bench`) on CPU fake devices.
+
+Tiny sizes and iteration counts: they check the pipeline (rows, JSON fields, correctness columns,
+plot, size gate, e2e modes and background load), not the speed.
+"""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from echo_jax import bench
+from echo_jax import p2p
+
+QUICK = ["--iters", "2", "--warmup", "1", "--repeats", "1"]
+ROW_KEYS = ("row", "size_bytes", "ranks", "median_s", "speedup_vs_psum", "max_abs_err",
+            "bit_identical_across_ranks")
+
+
+def _finite_positive(v):
+    return isinstance(v, float) and math.isfinite(v) and v > 0
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["allreduce", "--help"], ["gate", "--help"],
+                                  ["e2e", "--help"], ["kernels", "--help"],
+                                  ["virtual", "--help"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 0
+    assert "usage" in capsys.readouterr().out
+
+
+def test_bad_flags_are_usage_errors(capsys):
+    for argv in (["allreduce", "--sizes", "12XB"], ["allreduce", "--rows", "nccl"],
+                 ["e2e", "--modes", "echo3"], ["e2e", "--background-load", "150"]):
+        with pytest.raises(SystemExit) as info:
+            bench.main(argv)
+        assert info.value.code == 2
+    assert bench.main(["allreduce", "--virtual", "--sizes", "64KB"] + QUICK) == 2
+    assert "GPU" in capsys.readouterr().err
+
+
+def test_sizes_and_names():
+    assert bench.parse_sizes("16MB,64KB,64KB") == [64 << 10, 16 << 20]
+    assert bench.parse_sizes("small") == [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+    assert bench.parse_sizes("small,large")[-1] == 1 << 30
+    assert bench.parse_size("1.5MB") == 3 << 19
+    assert [bench.format_size(s) for s in (64 << 10, 1 << 20, 1 << 30, 1000)] == \
+        ["64KB", "1MB", "1GB", "1000B"]
+    cpu = jax.devices()[0]
+    assert bench.machine_name(cpu, 8) == "cpu8"
+    assert bench.machine_name(cpu, 4, simulated=True) == "cpu1-vmap4"
+
+    class FakeGpu:
+        platform, device_kind = "gpu", "NVIDIA H200"
+
+    assert bench.machine_name(FakeGpu(), 4) == "h200x4"
+    assert bench.machine_name(FakeGpu(), 4, virtual=True) == "h200x1-virtual4"
+
+
+def test_time_op_stats():
+    stats = bench.time_op_stats(lambda v: (v * 2.0, v + 1.0), jnp.ones(1024), iters=3,
+                                repeats=2, warmup=1)
+    assert len(stats["loop_s"]) == 2
+    assert all(_finite_positive(stats[k]) for k in ("median_s", "min_s", "max_s"))
+    assert stats["min_s"] <= stats["median_s"] <= stats["max_s"]
+
+
+def test_allreduce_all_rows_json_and_png(tmp_path, capsys):
+    out, png = tmp_path / "ar.json", tmp_path / "ar.png"
+    rc = bench.main(["allreduce", "--sizes", "64KB", "--ranks", "4", "--gate", "--json",
+                     str(out), "--png", str(png)] + QUICK)
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "psum" in table and "speedup" in table
+    result = json.loads(out.read_text())
+    assert result["machine"] == "cpu4" and result["ranks"] == 4
+    assert "fori_loop" in result["timing"]
+    expected = list(bench.ROWS) if "cpu" in p2p.available_platforms() else \
+        ["psum", "xla8", "xla4"]
+    assert [r["row"] for r in result["rows"]] == expected
+    for r in result["rows"]:
+        assert all(k in r for k in ROW_KEYS)
+        assert r["size_bytes"] == 64 << 10 and r["ranks"] == 4
+        assert _finite_positive(r["median_s"]) and _finite_positive(r["speedup_vs_psum"])
+        assert r["bit_identical_across_ranks"] is True
+        assert math.isfinite(r["max_abs_err"])
+    rows = {r["row"]: r for r in result["rows"]}
+    assert rows["psum"]["max_abs_err"] == 0.0 and rows["psum"]["speedup_vs_psum"] == 1.0
+    assert 0 < rows["xla8"]["max_abs_err"] < 0.2 < rows["xla4"]["max_abs_err"] < 3.0
+    if "p2p4-comp-fused" in rows:
+        # Both transports and both compensator placements give the same bits.
+        assert rows["p2p4"]["max_abs_err"] == rows["xla4"]["max_abs_err"]
+        assert rows["p2p4-comp-unfused"]["max_abs_err"] == rows["p2p4"]["max_abs_err"]
+        assert rows["p2p4-comp-fused"]["bit_identical_to_unfused"] is True
+    assert result["gate"]["row"] in bench.GATE_ROWS
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_allreduce_row_choice_default_paths_and_bf16(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc = bench.main(["allreduce", "--sizes", "64KB", "--ranks", "2", "--rows", "xla4",
+                     "--dtype", "bfloat16"] + QUICK)
+    assert rc == 0
+    result = json.loads((tmp_path / "results" / "bench_allreduce_cpu2.json").read_text())
+    assert (tmp_path / "results" / "bench_allreduce_cpu2.png").exists()
+    assert [r["row"] for r in result["rows"]] == ["psum", "xla4"]  # psum always: the reference
+    assert all(r["dtype"] == "bfloat16" and r["bit_identical_across_ranks"]
+               for r in result["rows"])
+
+
+def test_sizes_over_the_memory_budget_are_skipped(tmp_path):
+    out = tmp_path / "big.json"
+    assert bench.main(["allreduce", "--sizes", "4096GB", "--ranks", "2", "--json", str(out)]
+                      + QUICK) == 0
+    result = json.loads(out.read_text())
+    assert result["rows"] == [] and result["skipped_sizes"][0]["size_bytes"] == 4096 << 30
+
+
+def _rows(speedups):
+    out = []
+    for size, s in speedups.items():
+        out += [dict(row="psum", size_bytes=size, speedup_vs_psum=1.0),
+                dict(row="p2p4", size_bytes=size, speedup_vs_psum=s)]
+    return out
+
+
+def test_derive_gate():
+    # Faster from 1 MB on (a dip below 1 at 256 KB after a win at 64 KB does not count).
+    g = bench.derive_gate(_rows({64 << 10: 1.1, 256 << 10: 0.9, 1 << 20: 1.2, 4 << 20: 2.0}),
+                          "p2p4")
+    assert g["min_bytes"] == 1 << 20
+    assert bench.derive_gate(_rows({64 << 10: 1.5, 1 << 20: 2.0}), "p2p4")["min_bytes"] == 64 << 10
+    never = bench.derive_gate(_rows({64 << 10: 0.5, 1 << 20: 0.9}), "p2p4")
+    assert never["min_bytes"] is None and "larger" in never["note"]
+    assert bench.derive_gate(_rows({64 << 10: 1.0}), "xla4")["min_bytes"] is None
+
+
+def test_gate_command(tmp_path):
+    out = tmp_path / "gate.json"
+    rc = bench.main(["gate", "--sizes", "64KB,256KB", "--ranks", "2", "--rows", "xla4",
+                     "--json", str(out), "--no-plot"] + QUICK)
+    assert rc == 0
+    result = json.loads(out.read_text())
+    gate = result["gate"]
+    assert gate["row"] == "xla4" and set(gate["per_row"]) == {"xla4"}
+    assert gate["min_bytes"] is None or gate["min_bytes"] in (64 << 10, 256 << 10)
+    assert not (tmp_path / "gate.png").exists()
+
+
+def test_background_load_runs_at_its_duty_cycle():
+    import time
+    with bench.BackgroundLoad(0.5, jax.devices()[:2], 1 << 16, period_s=0.02) as bg:
+        time.sleep(0.3)
+    assert bg.copies > 0 and 0.0 < bg.measured_duty <= 1.0
+    with bench.BackgroundLoad(1.0, jax.devices()[:1], 1 << 16) as bg:
+        time.sleep(0.1)
+    assert bg.copies > 0 and bg.measured_duty > 0.5
+    with bench.BackgroundLoad(0.0, jax.devices()[:1], 1 << 16) as bg:
+        pass
+    assert bg.copies == 0
+
+
+def test_e2e_tiny(tmp_path, capsys):
+    out = tmp_path / "e2e.json"
+    rc = bench.main(["e2e", "--preset", "tiny", "--tp", "2", "--batch", "1", "--seq", "8",
+                     "--iters", "2", "--warmup", "1", "--background-load", "0,50",
+                     "--background-mb", "1", "--json", str(out)])
+    assert rc == 0
+    assert "TTFT" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["tp"] == 2 and result["preset"] == "tiny" and result["machine"] == "cpu2"
+    assert result["allreduce_calls"] == dict(prefill=4, train_step=8,
+                                             message_bytes_per_rank=1 * 8 * 64 * 4)
+    assert "allreduce_share" in result["definitions"] and "timing" in result
+    keys = {(r["load_pct"], r["mode"]) for r in result["rows"]}
+    assert keys == {(load, m) for load in (0.0, 50.0)
+                    for m in ("psum", "echo4-comp", bench.NO_ALLREDUCE)}
+    for r in result["rows"]:
+        assert _finite_positive(r["ttft_s"]) and _finite_positive(r["step_s"])
+        assert math.isfinite(r["final_loss"])
+        if r["mode"] != bench.NO_ALLREDUCE:
+            assert -1.0 < r["allreduce_share_ttft"] < 1.0
+            assert -1.0 < r["allreduce_share_step"] < 1.0
+        if r["mode"] == "psum":
+            assert r["speedup_step_vs_psum"] == 1.0
+        if r["load_pct"] == 50.0:
+            assert r["measured_load_pct"] > 0 and r["background_copies"] > 0
+        else:
+            assert r["measured_load_pct"] == 0.0
