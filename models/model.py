@@ -39,8 +39,30 @@ Per-rank program semantics. Every rank runs the whole forward pass and the whole
 the full loss on its own (as in Megatron): the f/g custom VJPs decide what crosses ranks. So
 gradients are taken *inside* the per-rank function (`loss_and_grad_*`, `make_train_step`), the
 replicated parameters are per-rank copies that receive identical gradients, and shard_map runs with
-`check_vma=False`, i.e. with exactly the semantics of the vmap simulation (and, on CPU, the same
-bits). Parameters of all P ranks are stacked on a leading axis [P, ...] (`shard_params`).
+`check_vma=False`, i.e. with exactly the semantics of the vmap simulation. Parameters of all P
+ranks are stacked on a leading axis [P, ...] (`shard_params`).
+
+Simulation == shard_map bit for bit on CPU. The vmap program is not the shard_map program: its
+arrays carry a rank axis (or none, for values every rank shares), and its collectives are
+reductions over that axis that XLA may fuse with their neighbours. XLA:CPU's code for an op
+depends on such context, so the model pins down the few places where that changes the rounding:
+  * the runners compile for CPU with `compiler_options()`: no YNNPACK library fusions (they pick
+    the summation order of a reduction by its shape, so [P, B, T, hd] and [B, T, hd] rows differ)
+    and no excess precision (XLA would keep some bf16 intermediates in fp32 in one program and
+    round them in the other);
+  * a few values are materialised (`lax.optimization_barrier`): the output of every g, the
+    cotangent leaving every f and the QK-norm scale gradients before their psum (so a simulated
+    all-reduce, a reduction under vmap, is never merged into the reductions next to it), and the
+    keys / values written to the KV cache;
+  * the softmax normalises by multiplying with the reciprocal of the sum, the form XLA's
+    simplifier rewrites `x / broadcast(s)` into in some programs and not in others;
+  * the exact all-reduce of bf16/fp16 values sums in fp32 in the simulation, as XLA:CPU's
+    all-reduce does (it promotes them to fp32 and rounds once).
+`tests/test_model.py::test_simulation_matches_shard_map` checks the logits, the loss and every
+gradient bit for bit (exact and Echo 4-bit, P = 2 and 4; fp32, and bf16 with remat), and the
+KV-cache test the decoded logits. Not covered: the optimizer step of `make_train_step` (optax's
+bias correction divides by a per-rank scalar, which XLA rewrites differently in the two programs).
+On GPU the two paths agree to rounding only.
 """
 
 from __future__ import annotations
@@ -126,7 +148,10 @@ def attention(q, k, v, q_pos, k_pos):
                         preferred_element_type=F32) * np.float32(hd ** -0.5)  # [B, KV, G, T, S]
     visible = k_pos[None, :] <= q_pos[:, None]                              # [T, S]
     scores = jnp.where(visible, scores, jnp.finfo(F32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    # Softmax as exp * (1 / sum): written out so that XLA compiles the same rounding into every
+    # program (its simplifier turns `e / broadcast(sum)` into this form only in some).
+    e = jnp.exp(scores - lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
+    probs = (e * (1.0 / jnp.sum(e, axis=-1, keepdims=True))).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)                         # [B, T, KV, G, hd]
     return out.reshape(b, t, h * hd)
 
@@ -155,10 +180,74 @@ def _sum_grad_fwd(w, axis_name):
 
 
 def _sum_grad_bwd(axis_name, _, ct):
-    return (lax.psum(ct, axis_name),)
+    # The barrier keeps the rank's partial sum (a reduction over B, T and its heads) apart from
+    # the psum, which under vmap is a reduction too: merged, they would sum in another order.
+    return (lax.psum(lax.optimization_barrier(ct), axis_name),)
 
 
 sum_grad_over_ranks.defvjp(_sum_grad_fwd, _sum_grad_bwd)
+
+
+@jax.custom_vjp
+def materialize_cotangent(x):
+    """Identity; the backward pass puts an optimization barrier on the cotangent.
+
+    Sits between an RMSNorm and its f site: the all-reduced cotangent is materialised before the
+    norm's backward reduces it (under vmap the all-reduce is a reduction XLA could fuse into it).
+    """
+    return x
+
+
+def _materialize_fwd(x):
+    return x, None
+
+
+def _materialize_bwd(_, ct):
+    return (lax.optimization_barrier(ct),)
+
+
+materialize_cotangent.defvjp(_materialize_fwd, _materialize_bwd)
+
+
+def _sum_exact_in_f32(x, comm: CommConfig) -> bool:
+    """Whether an exact (psum) site of the *simulation* sums x in fp32.
+
+    XLA:CPU runs a bf16/fp16 all-reduce in fp32 (one rounding at the end), while the vmap
+    simulation's psum is a reduction in x's dtype (one rounding per rank). Summing in fp32 in the
+    simulation gives it the all-reduce's rounding. Inside shard_map (the axis is manual) nothing
+    changes: the wire stays 16-bit.
+    """
+    return (comm.echo is None and jnp.dtype(x.dtype).itemsize < 4
+            and comm.axis_name not in jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def f_site(x, comm: CommConfig, configs, bwd_state, choice):
+    """The f site (`echo_jax.tp.backward_site`) of a block: x is the norm's output.
+
+    Returns (x, bwd_state) like backward_site; see `materialize_cotangent`, `_sum_exact_in_f32`.
+    """
+    x = materialize_cotangent(x)
+    if _sum_exact_in_f32(x, comm):
+        x32, bwd_state = tp_ops.backward_site(x.astype(F32), comm.axis_name, configs, bwd_state,
+                                              choice=choice)
+        return x32.astype(x.dtype), bwd_state
+    return tp_ops.backward_site(x, comm.axis_name, configs, bwd_state, choice=choice)
+
+
+def g_site(part, comm: CommConfig, configs, fwd_state, choice):
+    """The g site (`echo_jax.tp.forward_site`) of a block: part is this rank's partial output.
+
+    Returns (y, fwd_state) like forward_site, y behind an optimization barrier (the sum is
+    materialised before the residual add and the next norm use it).
+    """
+    if _sum_exact_in_f32(part, comm):
+        y, fwd_state = tp_ops.forward_site(part.astype(F32), comm.axis_name, configs, fwd_state,
+                                           choice=choice)
+        y = y.astype(part.dtype)
+    else:
+        y, fwd_state = tp_ops.forward_site(part, comm.axis_name, configs, fwd_state,
+                                           choice=choice)
+    return lax.optimization_barrier(y), fwd_state
 
 
 class RMSNorm(nn.Module):
@@ -224,6 +313,9 @@ class Attention(nn.Module):
         else:  # write this step's keys at slots positions[0] .. positions[0] + T - 1
             k_cache, v_cache = cache                            # [B, S, KV/P, hd]
             start = positions[0]
+            # Materialised before the write: under vmap the per-rank slot index makes the write a
+            # scatter, and XLA:CPU rounds the QK-norm / RoPE fused into it differently.
+            k, v = lax.optimization_barrier((k, v))
             k_all = lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
             v_all = lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
             k_pos = jnp.arange(k_cache.shape[1], dtype=positions.dtype)
@@ -263,7 +355,6 @@ class DecoderLayer(nn.Module):
         cfg, comm = self.cfg, self.comm
         h, fwd, bwd = carry            # h: [B, T, D]; fwd, bwd: CompensatorState of [B, T, D] fp32
         layer, cache = xs              # layer: int32 []; cache: ([B, S, KV/P, hd],) * 2 or None
-        axis = comm.axis_name
         fcfg, bcfg = comm.forward_configs(), comm.backward_configs()
         choice = comm.layer_choice(layer, cfg.n_layers)
         dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
@@ -271,18 +362,18 @@ class DecoderLayer(nn.Module):
 
         # Attention block: norm -> f -> column/row-parallel attention -> g -> residual.
         x = RMSNorm(cfg.norm_eps, dt, pdt, name="attn_norm")(h)              # [B, T, D]
-        x, bwd = tp_ops.backward_site(x, axis, bcfg, bwd, choice=choice)      # f
+        x, bwd = f_site(x, comm, bcfg, bwd, choice)                           # f
         part, cache = Attention(cfg, comm, name="attn")(x, positions, rope, cache)
-        y, fwd = tp_ops.forward_site(part, axis, fcfg, fwd, choice=choice)    # g: [B, T, D]
+        y, fwd = g_site(part, comm, fcfg, fwd, choice)                        # g: [B, T, D]
         h = h + y
         if norms is not None:
             norms.append(state_norm(fwd))
 
         # MLP block: the same pattern.
         x = RMSNorm(cfg.norm_eps, dt, pdt, name="mlp_norm")(h)
-        x, bwd = tp_ops.backward_site(x, axis, bcfg, bwd, choice=choice)      # f
+        x, bwd = f_site(x, comm, bcfg, bwd, choice)                           # f
         part = MLP(cfg, comm, name="mlp")(x)
-        y, fwd = tp_ops.forward_site(part, axis, fcfg, fwd, choice=choice)    # g
+        y, fwd = g_site(part, comm, fcfg, fwd, choice)                        # g
         h = h + y
         if norms is not None:
             norms.append(state_norm(fwd))
@@ -643,6 +734,44 @@ def _check_call(params, model_cfg: ModelConfig, comm: CommConfig):
     check_params(params, model_cfg, comm.tp, stacked=True)
 
 
+#: XLA:CPU options of the runners (see the module docstring): no YNNPACK fusions (their reduction
+#: order depends on the shape) and no excess precision (bf16 intermediates rounded everywhere).
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "",
+                        "xla_allow_excess_precision": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_options_supported() -> bool:
+    try:  # an XLA that does not know an option refuses to compile with it
+        jax.jit(lambda x: x + 1, compiler_options=CPU_COMPILER_OPTIONS).lower(
+            jax.ShapeDtypeStruct((), F32)).compile()
+        return True
+    except Exception:  # noqa: BLE001 - any refusal: compile without them
+        return False
+
+
+def compiler_options(mesh: Optional[Mesh] = None) -> Optional[dict]:
+    """`jax.jit` compiler options under which the vmap simulation and shard_map give the same bits.
+
+    Args:
+      mesh: the shard_map mesh, or None for the simulation (on the default backend).
+
+    Returns:
+      `CPU_COMPILER_OPTIONS` when compiling for CPU (and this XLA knows them), else None.
+    """
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    if platform != "cpu" or not _cpu_options_supported():
+        return None
+    return dict(CPU_COMPILER_OPTIONS)
+
+
+def jit_per_rank(fn: Callable, comm: CommConfig, mesh: Optional[Mesh] = None, *,
+                 stacked_in: tuple, stacked_out, **jit_kwargs) -> Callable:
+    """`jax.jit(run_per_rank(...))` with `compiler_options(mesh)`; arguments as `run_per_rank`."""
+    return jax.jit(run_per_rank(fn, comm, mesh, stacked_in=stacked_in, stacked_out=stacked_out),
+                   compiler_options=compiler_options(mesh), **jit_kwargs)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(kind: str, model_cfg: ModelConfig, comm: CommConfig, mesh: Optional[Mesh],
               opts: tuple = ()):
@@ -654,20 +783,19 @@ def _compiled(kind: str, model_cfg: ModelConfig, comm: CommConfig, mesh: Optiona
         def fn(params, tokens):
             out = forward_local(params, tokens, model_cfg, comm, return_state_norms=norms)
             return out.logits, out.state_norms
-        return jax.jit(run_per_rank(fn, comm, mesh, stacked_in=(True, False),
-                                    stacked_out=(False, True)))
+        return jit_per_rank(fn, comm, mesh, stacked_in=(True, False), stacked_out=(False, True))
     if kind == "loss_and_grad":
         def fn(params, tokens, targets, mask):
             return jax.value_and_grad(loss_local)(params, tokens, targets, model_cfg, comm,
                                                   mask, remat=o.get("remat", False))
-        return jax.jit(run_per_rank(fn, comm, mesh, stacked_in=(True, False, False, False),
-                                    stacked_out=(False, True)))
+        return jit_per_rank(fn, comm, mesh, stacked_in=(True, False, False, False),
+                            stacked_out=(False, True))
     if kind == "extend":
         def fn(params, tokens, cache):
             out = forward_local(params, tokens, model_cfg, comm, cache=cache)
             return out.logits, out.cache
-        return jax.jit(run_per_rank(fn, comm, mesh, stacked_in=(True, False, True),
-                                    stacked_out=(False, True)))
+        return jit_per_rank(fn, comm, mesh, stacked_in=(True, False, True),
+                            stacked_out=(False, True))
     raise ValueError(kind)
 
 
@@ -796,9 +924,8 @@ def make_train_step(model_cfg: ModelConfig, comm: CommConfig, optimizer,
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, gnorm
 
-    run = jax.jit(run_per_rank(local_step, comm, mesh,
-                               stacked_in=(True, True, False, False, False),
-                               stacked_out=(True, True, False, False)))
+    run = jit_per_rank(local_step, comm, mesh, stacked_in=(True, True, False, False, False),
+                       stacked_out=(True, True, False, False))
 
     def step(params, opt_state, tokens, targets, mask=None):
         _check_tokens(tokens, model_cfg)
@@ -944,7 +1071,8 @@ __all__ = [
     "rms_norm", "rope_tables", "apply_rope", "attention", "state_norm",
     "param_shapes", "shard_axis", "init_params", "shard_params", "unshard_params",
     "check_params", "place_params",
-    "forward_local", "loss_local", "cross_entropy", "run_per_rank",
+    "forward_local", "loss_local", "cross_entropy", "run_per_rank", "jit_per_rank",
+    "compiler_options", "CPU_COMPILER_OPTIONS", "f_site", "g_site", "materialize_cotangent",
     "apply_sharded", "apply_simulated", "loss_and_grad_sharded", "loss_and_grad_simulated",
     "tp_global_norm", "init_opt_state", "make_train_step",
     "init_cache", "prefill", "decode_step",
