@@ -1,0 +1,228 @@
+"""models.experiments (the accuracy study): CPU smoke tests of every sub-command.
+
+Random weights of the `tiny` preset (the text fed as UTF-8 bytes), a couple of 32-token windows,
+so each run takes seconds. The tests check that the pipeline runs and writes the JSON fields and
+the PNG, not the numbers; and that the instrumented forward pass of the error-process study
+computes exactly what the model computes.
+"""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from models import experiments as X
+from models import model as M
+from models.config import get_config
+
+TEXT = ("Shall I compare thee to a summer's day? Thou art more lovely and more temperate. "
+        "Rough winds do shake the darling buds of May, and summer's lease hath all too short "
+        "a date. ") * 4
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("exp") / "sonnet.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def common(text_file, out, *extra):
+    return ["--checkpoint", "random:tiny", "--tp", "2", "--window", "32", "--windows", "2",
+            "--text", str(text_file), "--out-dir", str(out), "--quiet", *extra]
+
+
+def read(path):
+    return json.loads(Path(path).read_text())
+
+
+def assert_png(path):
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_help_exits_zero(capsys):
+    for argv in (["--help"], ["inference", "--help"], ["ablations", "--help"],
+                 ["error-process", "--help"], ["pretrain-table", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            X.main(argv)
+        assert exc.value.code == 0, argv
+    assert "--max-tokens" in capsys.readouterr().out
+
+
+def test_inference_writes_every_row(text_file, tmp_path):
+    assert X.main(["inference", *common(text_file, tmp_path)]) == 0
+    out = tmp_path / "accuracy_inference_random-tiny.json"
+    r = read(out)
+    assert_png(out.with_suffix(".png"))
+    keys = [row["config"] for row in r["rows"]]
+    assert keys == ["16bit", "8bit-comp", "8bit-none", "4bit-comp", "4bit-none", "4bit-sym",
+                    "4bit-naive", "early-8bit"]
+    m = r["meta"]
+    assert m["tp"] == 2 and m["window"] == 32 and m["windows"] == 2 and m["tokens_scored"] == 64
+    assert m["forward_sites"] == 4 and r["command"].startswith("python -m models.experiments")
+    for row in r["rows"]:
+        for k in ("perplexity", "nll", "tokens", "greedy_agreement", "delta_ppl_vs_16bit",
+                  "next_token_accuracy", "wire_bits_per_element", "bits", "policy",
+                  "group_size", "compensated", "eta", "early_8bit"):
+            assert k in row, (row["config"], k)
+        assert row["tokens"] == 64 and 0 <= row["greedy_agreement"] <= 1
+    by = {row["config"]: row for row in r["rows"]}
+    assert by["16bit"]["greedy_agreement"] == 1.0 and by["16bit"]["delta_ppl_vs_16bit"] == 0.0
+    assert by["4bit-none"]["eta"] == 0.0 and not by["4bit-none"]["compensated"]
+    assert by["4bit-sym"]["policy"] == "sym" and by["4bit-naive"]["policy"] == "asym_naive"
+    assert by["early-8bit"]["early_8bit"] and by["early-8bit"]["bits"] == 4
+
+
+def test_ablations_rows_and_aliases(text_file, tmp_path):
+    argv = common(text_file, tmp_path, "--variants", "full", "m1-only", "--tag", "smoke")
+    assert X.main(["ablations", *argv]) == 0
+    out = tmp_path / "accuracy_ablations_smoke.json"
+    r = read(out)
+    assert_png(out.with_suffix(".png"))
+    rows = r["rows"]
+    assert rows[0]["bits"] == 16 and rows[0]["key"] == "16bit"
+    for bits in (4, 8):
+        got = {row["key"]: row for row in rows if row["bits"] == bits}
+        assert set(got) == {"full", "m1-only", "a0.35", "eta0.75"}
+        assert got["full"]["delta_ppl_vs_full"] == 0.0 and got["full"]["bits"] == bits
+        assert got["m1-only"]["blend"] == 1.0 and got["m1-only"]["eta"] == 0.75
+        assert got["a0.35"]["same_run_as"] == "full"
+        for row in got.values():
+            assert {"perplexity", "greedy_agreement", "delta_ppl_vs_16bit", "variant",
+                    "group"} <= set(row)
+
+
+def test_ablation_rows_cover_the_issue():
+    rows = {v.key: v.comm.echo for v in X.ablation_variants(3, 4)}
+    assert rows["sym"].policy == "sym" and rows["naive"].policy == "asym_naive"
+    assert rows["full"].policy == "asym" and rows["full"].group_size == 128
+    assert rows["g256"].group_size == 256 and rows["nocomp"].eta == 0.0
+    assert {rows[k].blend for k in ("m1-only", "m2-only", "a0.25", "a0.5")} == {1, 0, .25, .5}
+    etas = {e.eta for e in rows.values()}
+    assert {0.5, 0.7, 0.75, 0.9, 1.0} <= etas
+    assert len({(e.beta1, e.beta2) for e in rows.values()}) >= 5
+    assert all(v.comm.echo.bits == 8 for v in X.ablation_variants(3, 8))
+
+
+def test_unknown_variant_is_a_clear_error(text_file, tmp_path, capsys):
+    assert X.main(["ablations", *common(text_file, tmp_path, "--variants", "nope")]) == 1
+    assert "nope" in capsys.readouterr().err
+
+
+def test_error_process_writes_per_site_arrays(text_file, tmp_path):
+    assert X.main(["error-process", *common(text_file, tmp_path)]) == 0
+    out = tmp_path / "accuracy_error_process.json"
+    r = read(out)
+    assert_png(out.with_suffix(".png"))
+    n = r["meta"]["n_sites"]
+    assert n == 4
+    modes = [row["mode"] for row in r["rows"]]
+    assert modes == ["exact", "8bit-none", "8bit-comp", "4bit-none", "4bit-comp",
+                     "4bit-comp-eta1"]
+    for row in r["rows"]:
+        for k in ("max_injected_error", "max_partial_sum", "final_resid_rel_error",
+                  "perplexity", "greedy_agreement"):
+            assert k in row
+    for mode, sites in r["per_site"].items():
+        assert set(X.SITE_KEYS) | {"delta_median", "partial_sum_median"} <= set(sites)
+        assert all(len(v) == n for v in sites.values())
+    assert max(r["per_site"]["exact"]["delta"]) == 0.0          # the exact sum injects nothing
+    none = r["per_site"]["4bit-none"]                            # uncompensated: rho = delta
+    np.testing.assert_allclose(none["rho"], none["delta"], rtol=1e-6)
+    last = r["rows"][-1]
+    assert "theorem1_factor" in last and "eq21_factor" in last and "token_ratio_median" in last
+
+
+def test_instrumented_forward_equals_the_model():
+    tp = 3
+    cfg = get_config("tiny")
+    params = M.shard_params(M.init_params(jax.random.key(3), cfg), tp, cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16)).astype(np.int32)
+    modes = {v.key: v for v in X.error_process_modes(tp)}
+    for v in (modes["exact"], modes["4bit-none"], modes["4bit-comp"]):
+        want = np.asarray(M.apply_simulated(params, tokens, cfg, v.comm))
+        got = X.measure_error_process(params, tokens, cfg, v.comm)
+        np.testing.assert_allclose(got["logits"], want, rtol=1e-5, atol=1e-6, err_msg=v.key)
+
+
+def test_instrumented_forward_under_shard_map():
+    tp = 2
+    cfg = get_config("tiny")
+    params = M.shard_params(M.init_params(jax.random.key(4), cfg), tp, cfg)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 16)).astype(np.int32)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    comm = X.error_process_modes(tp)[4].comm                     # 4-bit compensated
+    sim = X.measure_error_process(params, tokens, cfg, comm)
+    shm = X.measure_error_process(M.place_params(params, mesh, comm), tokens, cfg, comm, mesh)
+    for k in ("logits", "delta", "partial_sum"):
+        np.testing.assert_allclose(shm[k], sim[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def fake_run(label, bits, eta, lr, final, steps=300, seed=0):
+    """A models.train --json record whose loss decays to about `final`."""
+    rng = np.random.default_rng(seed)
+    s = np.arange(1, steps + 1)
+    loss = final + 3.0 * np.exp(-s / 40) + 0.01 * rng.standard_normal(steps)
+    echo = None if bits == 16 else {"bits": bits, "group_size": 128, "policy": "asym",
+                                    "eta": eta, "blend": 0.35, "beta1": 0.7, "beta2": 0.3}
+    return {"label": label,
+            "config": {"comm": {"tp": 4, "bits": bits, "echo": echo, "early_8bit": False},
+                       "optim": {"lr": lr}, "args": {"lr": 1e-3, "lr_mult": lr / 1e-3},
+                       "batch_size": 16, "seq_len": 512, "model": {"name": "small"}},
+            "history": [{"step": int(i), "loss": float(v)} for i, v in zip(s, loss)],
+            "eval": [{"step": steps, "loss": final + 0.1}],
+            "tail100_mean_loss": float(np.mean(loss[-100:]))}
+
+
+def test_pretrain_table_from_fake_logs(tmp_path):
+    runs = {"4c": fake_run("4-bit comp", 4, 0.75, 1e-3, 3.03, seed=1),
+            "16": fake_run("16-bit", 16, None, 1e-3, 3.00, seed=0),
+            "4n": fake_run("4-bit none", 4, 0.0, 1e-3, 3.20, seed=2),
+            "4lr": fake_run("4-bit comp 1.17x LR", 4, 0.75, 1.17e-3, 3.01, seed=3)}
+    paths = []
+    for name, run in runs.items():
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps(run))
+        paths.append(str(p))
+    out_dir = tmp_path / "res"
+    assert X.main(["pretrain-table", *paths, "--out-dir", str(out_dir)]) == 0
+    r = read(out_dir / "accuracy_pretrain.json")
+    assert_png(out_dir / "accuracy_pretrain.png")
+    rows = {row["label"]: row for row in r["rows"]}
+    assert rows["16-bit"]["baseline"] and rows["16-bit"]["gap_vs_baseline_pct"] == 0.0
+    base = rows["16-bit"]["tail100_mean_loss"]
+    for label, row in rows.items():
+        for k in ("tail100_mean_loss", "gap_vs_baseline", "gap_vs_baseline_pct", "bits",
+                  "compensated", "peak_lr", "lr_ratio_to_baseline", "steps", "tokens",
+                  "loss_at_early_step", "heldout_loss", "file"):
+            assert k in row, (label, k)
+        assert row["gap_vs_baseline_pct"] == pytest.approx(
+            100 * (row["tail100_mean_loss"] - base) / base)
+        assert row["tail100_mean_loss"] == pytest.approx(row["tail100_in_file"])
+    assert rows["4-bit none"]["compensated"] is False and rows["4-bit comp"]["compensated"]
+    assert rows["4-bit comp 1.17x LR"]["lr_ratio_to_baseline"] == pytest.approx(1.17)
+    assert rows["16-bit"]["early_step"] == 30 and rows["16-bit"]["tokens"] == 300 * 16 * 512
+
+
+def test_pretrain_table_rejects_a_log_without_history(tmp_path, capsys):
+    p = tmp_path / "empty.json"
+    p.write_text(json.dumps({"label": "x", "config": {}, "history": []}))
+    assert X.main(["pretrain-table", str(p), "--out-dir", str(tmp_path)]) == 1
+    assert "no history" in capsys.readouterr().err
+
+
+def test_window_selection_and_limits(text_file, tmp_path, capsys):
+    tokens = np.arange(1001)
+    w = X.select_windows(tokens, 100, 3, contiguous=False)          # 10 candidates, 3 spread
+    assert w.shape == (3, 101) and int(w[0][0]) == 0 and int(w[-1][0]) == 900
+    w = X.select_windows(tokens, 100, 3, contiguous=True)
+    assert [int(x[0]) for x in w] == [0, 100, 200]
+    assert X.select_windows(tokens, 100, None, contiguous=False).shape == (10, 101)
+    # --max-tokens below one window is a clear error, not an empty table.
+    assert X.main(["inference", *common(text_file, tmp_path, "--max-tokens", "16")]) == 1
+    assert "below one --window" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        X.main(["inference", *common(text_file, tmp_path, "--windows", "0")])
