@@ -9,10 +9,12 @@ from echo_jax.collective import echo_psum, resolve_transport, segment_layout
 from echo_jax.compensator import CompensatorState, init_state
 from echo_jax.config import EchoConfig
 from echo_jax.quant import dequantize_groups, quantize_dequantize, quantize_groups
+from echo_jax.rotation import hadamard_rotate, hadamard_signs, hadamard_unrotate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "EchoConfig", "CompensatorState", "init_state", "echo_psum", "resolve_transport",
     "segment_layout", "quantize_groups", "dequantize_groups", "quantize_dequantize",
+    "hadamard_rotate", "hadamard_unrotate", "hadamard_signs",
 ]

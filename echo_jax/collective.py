@@ -12,6 +12,13 @@ Protocol (the same for every transport, so they produce the same bits):
    dequantizes the same codes, so all ranks return identical bits. Every element is quantized at
    most twice for any P.
 
+Rotation (`EchoConfig.rotation="hadamard"`): the compensated fp32 input is padded with zeros to
+whole groups and every group is rotated by a fixed randomized Hadamard matrix (`echo_jax.rotation`)
+before step 1, and the sum is rotated back after step 4, so one outlier channel no longer sets its
+group's scale. The rotation is plain JAX around the unchanged transports (the custom call included,
+so "xla" and "p2p" still give the same bits); the compensator's apply and update steps then run in
+JAX around the call, not fused into it, and stay in the original basis. Gradients are psum's.
+
 Size gate: a contribution of fewer than `EchoConfig.min_bytes` bytes per rank (each array of a
 pytree decided on its own, statically from its shape and dtype) is summed by `lax.psum` instead,
 exactly and with psum's own semantics; its compensator state is returned unchanged.
@@ -32,6 +39,7 @@ from jax import lax
 
 from echo_jax import compensator as comp
 from echo_jax import quant
+from echo_jax import rotation as rot
 from echo_jax.config import EchoConfig
 
 try:  # Varying -> invariant all-gather, so that the result is typed like lax.psum's.
@@ -205,7 +213,11 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
         state = jax.tree.map(lax.stop_gradient, state)
         state = comp.CompensatorState(_to_varying(state.m1, axis), _to_varying(state.m2, axis))
         m = comp.CompensatorState(jnp.ravel(state.m1), jnp.ravel(state.m2))
-    if state is not None and not rescale and resolve_transport(config, axis) == "p2p":
+    # With the rotation the compensator runs in JAX around the (unfused) transport, so that
+    # its state stays in the original basis; the fused custom call would see rotated values.
+    rotated = config.rotation == "hadamard"
+    if (state is not None and not rescale and not rotated
+            and resolve_transport(config, axis) == "p2p"):
         # Fused compensation (Sec. 5.3): the apply step runs in the call's entry pass and the
         # state update inside the call; m1/m2 are updated in place.
         y32, m1, m2 = _fused_allreduce_f32(x32, m.m1, m.m2, axis, num_ranks, config)
@@ -214,7 +226,10 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     k = comp.Coefficients.from_config(config)
     if state is not None:
         x32 = comp.apply_correction(x32, m, k)
-    if rescale:
+    if rotated:
+        # Unfused around the (unchanged) transport: rotate, reduce, rotate back.
+        y32 = _rotated_allreduce_f32(x32, axis, num_ranks, config, rescale)
+    elif rescale:
         f = lax.stop_gradient(power_of_two_scale(x32, axis))
         y32 = _allreduce_f32(x32 * f, axis, num_ranks, config) * (jnp.float32(1) / f)
     else:
@@ -224,6 +239,37 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
         return y, None
     new = comp.update_state(x32, lax.stop_gradient(y32), num_ranks, m, k)
     return y, comp.CompensatorState(new.m1.reshape(shape), new.m2.reshape(shape))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
+def _rotated_allreduce_f32(x_flat32, axis, num_ranks, config, rescale):
+    """The quantized all-reduce in the rotated basis, returned in the original basis.
+
+    x is padded with zeros to whole groups, so that every Hadamard block is exactly one
+    quantization group of the wire layout, and rotated. With `rescale` the shared power of two
+    is taken from the rotated values (those the quantizer sees) and divided out again before
+    the inverse rotation; powers of two commute with the rotation, so only the fp16 range
+    changes. The sum comes from the configured transport (`_allreduce_f32`, custom call
+    included), is rotated back and cut to x's length.
+    """
+    g = config.group_size
+    n = x_flat32.shape[0]
+    padded = -(-max(n, 1) // g) * g
+    xr = rot.hadamard_rotate(jnp.pad(x_flat32, (0, padded - n)), g)
+    if rescale:
+        f = power_of_two_scale(xr, axis)
+        yr = _allreduce_f32(xr * f, axis, num_ranks, config) * (jnp.float32(1) / f)
+    else:
+        yr = _allreduce_f32(xr, axis, num_ranks, config)
+    return rot.hadamard_unrotate(yr, g)[:n]
+
+
+@_rotated_allreduce_f32.defjvp
+def _rotated_allreduce_f32_jvp(axis, num_ranks, config, rescale, primals, tangents):
+    # Straight-through, as in `_allreduce_f32`: the rotation is orthogonal and linear and the
+    # exact sum commutes with it, so the derivative is psum's exactly (not rotated round trips).
+    (x,), (t,) = primals, tangents
+    return _rotated_allreduce_f32(x, axis, num_ranks, config, rescale), lax.psum(t, axis)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
@@ -255,7 +301,8 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
       state: None (uncompensated), or a `CompensatorState` (a pytree of them for pytree x) from
         `init_state(x)` or from the previous site.
       rescale: multiply by a shared power of two before quantizing and divide after (Sec. 5.4),
-        so tiny or huge magnitudes do not leave fp16's range; costs one scalar pmax.
+        so tiny or huge magnitudes do not leave fp16's range; costs one scalar pmax. With
+        `config.rotation="hadamard"` the factor is taken from the rotated values.
 
     Returns:
       The sum, shaped and typed like x; with `state`, the pair (sum, new_state).

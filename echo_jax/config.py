@@ -11,6 +11,7 @@ import dataclasses
 POLICIES = ("asym", "sym", "asym_naive")
 TRANSPORTS = ("auto", "p2p", "xla")
 BITS = (4, 8)
+ROTATIONS = ("none", "hadamard")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,16 @@ class EchoConfig:
         are latency-bound, so the quantize and the extra round of the Echo protocol can make
         them slower than psum. Default 0 (the gate is off): the crossover depends on the
         machine, so measure it there with `python -m echo_jax.bench gate`.
+      rotation: "none", or "hadamard": a randomized block Hadamard rotation (`echo_jax.rotation`)
+        of each group of g values before quantizing, undone after the sum. It spreads an
+        outlier channel over its whole group, so the group's scale no longer follows the
+        outlier. The wire format and cost are unchanged; needs a power-of-two group_size.
+        With a compensator state the apply and update steps run in JAX around the custom call
+        (not fused into it), in the original basis, so the state means the same either way.
+
+    Properties:
+      wire_bits_per_element: bits sent per value by one quantized copy, codes plus the fp16
+        parameters of its group spread over the group (4.25 at 4 bits, g = 128, asym).
     """
 
     bits: int = 4
@@ -46,6 +57,7 @@ class EchoConfig:
     beta2: float = 0.3
     transport: str = "auto"
     min_bytes: int = 0
+    rotation: str = "none"
 
     def __post_init__(self):
         if isinstance(self.bits, bool) or self.bits not in BITS:
@@ -72,6 +84,23 @@ class EchoConfig:
         m = self.min_bytes
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise ValueError(f"EchoConfig.min_bytes must be an int >= 0, got {m!r}")
+        if not isinstance(self.rotation, str) or self.rotation not in ROTATIONS:
+            raise ValueError(
+                f"EchoConfig.rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if self.rotation == "hadamard" and g & (g - 1):
+            raise ValueError(
+                f"EchoConfig.group_size must be a power of two with rotation='hadamard' (one "
+                f"Hadamard block per group), got {g}")
+
+    @property
+    def wire_bits_per_element(self) -> float:
+        """Wire bits per value: bits + 16 * (fp16 parameters per group) / group_size.
+
+        One fp16 scale per group for "sym", a scale and a zero-point for "asym" and
+        "asym_naive" (`echo_jax.quant.num_params`); the rotation adds nothing to the wire.
+        """
+        from echo_jax.quant import num_params  # the one definition of the wire format
+        return self.bits + 16 * num_params(self.policy) / self.group_size
 
     @property
     def compensated(self) -> bool:

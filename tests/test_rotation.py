@@ -1,0 +1,286 @@
+"""Randomized Hadamard rotation (EchoConfig.rotation="hadamard"): the transform itself, and
+echo_psum with it (same bits on every rank and transport, psum gradients, outlier accuracy)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import echo_jax as ej
+from echo_jax import p2p, rotation
+from conftest import make_mesh, put
+
+HAVE_CPU_CALL = "cpu" in p2p.available_platforms()
+needs_call = pytest.mark.skipif(not HAVE_CPU_CALL, reason="the CPU custom call is not built")
+
+
+def bits_of(a):
+    return np.asarray(np.asarray(a).astype(np.float32)).view(np.uint32)
+
+
+def assert_same_bits(got, want, what=""):
+    np.testing.assert_array_equal(bits_of(got), bits_of(want), err_msg=what)
+
+
+def sylvester(g):
+    h = np.ones((1, 1), np.float64)
+    while h.shape[0] < g:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+# --------------------------------------------------------------------------------------------
+# The transform
+
+
+@pytest.mark.parametrize("g", [32, 64, 128, 256])
+@pytest.mark.parametrize("blocks", [1, 3, 17])
+def test_roundtrip_orthogonality_and_definition(g, blocks):
+    rng = np.random.default_rng(g + blocks)
+    x = (rng.standard_normal(g * blocks) * 3).astype(np.float32)
+    y = np.asarray(ej.hadamard_rotate(jnp.asarray(x), g))
+    z = np.asarray(ej.hadamard_unrotate(jnp.asarray(y), g))
+    np.testing.assert_allclose(z, x, rtol=0, atol=1e-6 * np.abs(x).max() * np.log2(g))
+    np.testing.assert_allclose(np.linalg.norm(y.reshape(blocks, g), axis=1),
+                               np.linalg.norm(x.reshape(blocks, g), axis=1), rtol=1e-5)
+    # y = H_g / sqrt(g) diag(s) x per block, in float64.
+    s = ej.hadamard_signs(g).astype(np.float64)
+    want = (x.reshape(blocks, g).astype(np.float64) * s) @ sylvester(g).T / np.sqrt(g)
+    np.testing.assert_allclose(y.reshape(blocks, g), want, rtol=0, atol=1e-5 * np.abs(x).max())
+
+
+def test_signs_are_fixed_and_identical_across_calls():
+    for g in (2, 32, 128, 1024):
+        s = ej.hadamard_signs(g)
+        assert s.dtype == np.float32 and s.shape == (g,) and set(np.unique(s)) <= {-1.0, 1.0}
+        np.testing.assert_array_equal(s, rotation._signs.__wrapped__(g))  # recomputed, uncached
+        assert not s.flags.writeable
+    s = ej.hadamard_signs(1024)
+    assert 400 < (s < 0).sum() < 624  # a balanced pseudo-random pattern
+    np.testing.assert_array_equal(ej.hadamard_signs(128), s[:128])
+    # Eager, jit and vmap give the same bits.
+    x = jax.random.normal(jax.random.key(0), (4, 512))
+    eager = np.stack([np.asarray(ej.hadamard_rotate(r, 128)) for r in x])
+    assert_same_bits(jax.jit(jax.vmap(lambda v: ej.hadamard_rotate(v, 128)))(x), eager)
+
+
+def test_transform_errors():
+    with pytest.raises(ValueError, match="power of two"):
+        ej.hadamard_rotate(jnp.ones(96), 96)
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        ej.hadamard_unrotate(jnp.ones(100), 32)
+    with pytest.raises(ValueError, match="float32"):
+        ej.hadamard_rotate(jnp.ones(64, jnp.bfloat16), 32)
+
+
+# --------------------------------------------------------------------------------------------
+# echo_psum with rotation
+
+
+def as_varying(y, axis="tp"):
+    mat = getattr(jax.typeof(y), "mat", None)
+    return y if mat is not None and axis in mat.varying else lax.pcast(y, axis, to="varying")
+
+
+def run_shard_map(x, cfg, state=None, rescale=False):
+    """x: [P, ...] per-rank contributions -> [P, ...] results (and per-rank m1, m2)."""
+    mesh = make_mesh((x.shape[0],), ("tp",))
+
+    def body(xr, *st):
+        if st:
+            s = ej.CompensatorState(st[0][0], st[1][0])
+            y, s = ej.echo_psum(xr[0], "tp", config=cfg, state=s, rescale=rescale)
+            return as_varying(y)[None], s.m1[None], s.m2[None]
+        return as_varying(ej.echo_psum(xr[0], "tp", config=cfg, rescale=rescale))[None]
+
+    args = (x,) if state is None else (x, state.m1, state.m2)
+    out = P("tp") if state is None else (P("tp"),) * 3
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * len(args), out_specs=out))
+    return f(*[put(a, mesh, P("tp")) for a in args])
+
+
+def run_vmap(x, cfg, state=None, rescale=False):
+    if state is None:
+        return jax.jit(jax.vmap(lambda v: ej.echo_psum(v, "tp", config=cfg, rescale=rescale),
+                                axis_name="tp"))(x)
+    f = jax.vmap(lambda v, s: ej.echo_psum(v, "tp", config=cfg, state=s, rescale=rescale),
+                 axis_name="tp")
+    y, s = jax.jit(f)(x, state)
+    return y, s.m1, s.m2
+
+
+def some_state(x):
+    x32 = jnp.asarray(x, jnp.float32)
+    return ej.CompensatorState(0.1 * x32, -0.05 * x32)
+
+
+@pytest.mark.parametrize("nranks,bits,n,dtype", [
+    (2, 4, 1000, jnp.float32), (4, 4, 4097, jnp.bfloat16), (8, 4, 1000, jnp.bfloat16),
+    (2, 8, 4097, jnp.bfloat16), (4, 8, 1000, jnp.float32), (8, 8, 4097, jnp.float32),
+])
+def test_identical_ranks_and_transports(nranks, bits, n, dtype):
+    cfg = ej.EchoConfig(bits=bits, rotation="hadamard", transport="xla")
+    x = jax.random.normal(jax.random.key(nranks * 10 + bits), (nranks, n)).astype(dtype)
+    st = some_state(x)
+    y = run_shard_map(x, cfg)
+    yc, m1, m2 = run_shard_map(x, cfg, st)
+    assert y.dtype == dtype and y.shape == x.shape
+    for r in range(1, nranks):
+        assert_same_bits(y[r], y[0], f"rank {r}")
+        assert_same_bits(yc[r], yc[0], f"compensated, rank {r}")
+    exact = np.asarray(x.astype(jnp.float32)).sum(0)
+    tol = (0.35 if bits == 4 else 0.03) * np.abs(exact).max()
+    assert np.abs(np.asarray(y[0].astype(jnp.float32)) - exact).max() < tol
+    # The rotation changes the bits (it is not a no-op) ...
+    assert not np.array_equal(bits_of(y), bits_of(run_shard_map(x, cfg.replace(rotation="none"))))
+    # ... and the custom call gives the same bits and the same state.
+    if HAVE_CPU_CALL:
+        cp = cfg.replace(transport="p2p")
+        assert_same_bits(run_shard_map(x, cp), y, "p2p vs xla")
+        pc, p1, p2 = run_shard_map(x, cp, st)
+        assert_same_bits(pc, yc, "p2p vs xla, compensated")
+        assert_same_bits(p1, m1, "m1")
+        assert_same_bits(p2, m2, "m2")
+    # Simulated ranks (vmap) agree with shard_map bit for bit.
+    assert_same_bits(run_vmap(x, cfg), y, "vmap")
+    for got, want in zip(run_vmap(x, cfg, st), (yc, m1, m2)):
+        assert_same_bits(got, want, "vmap, compensated")
+
+
+def test_compensator_state_semantics_in_the_original_basis():
+    """The state update is Eq. 4/11 on the un-rotated compensated input and result."""
+    cfg = ej.EchoConfig(bits=4, rotation="hadamard", transport="xla")
+    x = jax.random.normal(jax.random.key(1), (4, 3, 100))
+    st = some_state(x)
+    y, m1, m2 = run_vmap(x, cfg, st)
+    from echo_jax import compensator as comp
+    k = comp.Coefficients.from_config(cfg)
+    xp = comp.apply_correction(x, st, k)
+    want = comp.update_state(xp, y, 4, st, k)
+    np.testing.assert_allclose(np.asarray(m1), np.asarray(want.m1), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(m2), np.asarray(want.m2), rtol=0, atol=1e-6)
+
+
+@needs_call
+def test_p2p_with_rotation_runs_the_unfused_call():
+    mesh = make_mesh((4,), ("tp",))
+    cfg = ej.EchoConfig(rotation="hadamard", transport="p2p")
+
+    def body(v):
+        y, s = ej.echo_psum(v[0], "tp", config=cfg, state=ej.init_state(v[0]))
+        return as_varying(y)[None], s.m1[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=(P("tp"), P("tp"))))
+    hlo = f.lower(put(jnp.ones((4, 4096)), mesh, P("tp"))).compile().as_text()
+    assert p2p.TARGET in hlo and p2p.TARGET_COMPENSATED not in hlo
+    for op in ("all-reduce(", "all-to-all(", "all-gather("):
+        assert op not in hlo
+
+
+def outlier_data(seed, nranks=4, tokens=64, channels=1024, outlier=100.0):
+    x = np.random.default_rng(seed).standard_normal((nranks, tokens, channels)).astype(np.float32)
+    if outlier:
+        x[:, :, 37] *= outlier  # one massive channel in every token (an LLM outlier feature)
+    return jnp.asarray(x)
+
+
+def rel_error(x, cfg):
+    y = np.asarray(run_vmap(x, cfg))[0]
+    exact = np.asarray(x, np.float64).sum(0)
+    return np.linalg.norm(y - exact) / np.linalg.norm(exact)
+
+
+def test_rotation_reduces_the_error_of_outlier_channels():
+    base = ej.EchoConfig(bits=4, transport="xla")
+    rotated = base.replace(rotation="hadamard")
+    x = outlier_data(2)
+    ratio = rel_error(x, rotated) / rel_error(x, base)
+    print(f"\nhadamard/none relative error, 4-bit, one channel x100: {ratio:.3f}")
+    assert ratio < 0.5
+    g = outlier_data(3, outlier=0)
+    ratio_g = rel_error(g, rotated) / rel_error(g, base)
+    print(f"hadamard/none relative error, 4-bit, Gaussian: {ratio_g:.3f}")
+    assert ratio_g < 1.3
+
+
+def test_grad_is_psum_grad():
+    nranks = 4
+    x = jax.random.normal(jax.random.key(4), (nranks, 3, 100))
+    w = jax.random.normal(jax.random.key(5), (nranks, 3, 100))
+    mesh = make_mesh((nranks,), ("tp",))
+    cfg = ej.EchoConfig(bits=4, rotation="hadamard", transport="xla")
+
+    reducers = {
+        "psum": lambda v: lax.psum(v, "tp"),
+        "echo": lambda v: ej.echo_psum(v, "tp", config=cfg),
+        "rescale": lambda v: ej.echo_psum(v, "tp", config=cfg, rescale=True),
+        "state": lambda v: ej.echo_psum(v, "tp", config=cfg, state=some_state(v))[0],
+    }
+    if HAVE_CPU_CALL:
+        reducers["p2p"] = lambda v: ej.echo_psum(v, "tp", config=cfg.replace(transport="p2p"),
+                                                 state=some_state(v))[0]
+
+    # A loss linear in the sum: its gradient does not depend on the forward value, so the
+    # straight-through derivative must give psum's gradient bit for bit.
+    def linear_grad(reduce):
+        def body(v, wr):
+            return jax.grad(lambda u: jnp.sum(wr[0] * reduce(jnp.tanh(u[0]) * 1.5)))(v)
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp")),
+                                  out_specs=P("tp")))
+        return f(put(x, mesh, P("tp")), put(w, mesh, P("tp")))
+
+    want = linear_grad(reducers["psum"])
+    for name, reduce in reducers.items():
+        assert_same_bits(linear_grad(reduce), want, name)
+
+    # vmap-simulated ranks: the same gradients as psum there (and as shard_map up to the
+    # order of the 4-term sum).
+    def vgrad(reduce):
+        return jax.jit(jax.vmap(jax.grad(lambda u, wr: jnp.sum(wr * reduce(jnp.tanh(u) * 1.5))),
+                                axis_name="tp"))(x, w)
+
+    assert_same_bits(vgrad(reducers["echo"]), vgrad(reducers["psum"]), "vmap")
+    np.testing.assert_allclose(np.asarray(vgrad(reducers["echo"])), np.asarray(want), rtol=1e-6)
+
+
+def test_rescale_with_rotation_handles_tiny_and_huge_magnitudes():
+    x = jax.random.normal(jax.random.key(7), (4, 512))
+    cfg = ej.EchoConfig(bits=8, rotation="hadamard", transport="xla")
+    for scale in (1e-20, 1.0, 1e7):
+        y = np.asarray(run_shard_map(x * scale, cfg, rescale=True))
+        exact = np.asarray(x).sum(0) * scale
+        np.testing.assert_allclose(y[0], exact, rtol=0, atol=0.03 * np.abs(exact).max())
+    # A power-of-two factor commutes with the rotation: only the fp16 range changes.
+    assert_same_bits(run_shard_map(x * 2.0 ** 10, cfg, rescale=True),
+                     run_shard_map(x, cfg, rescale=True) * 2.0 ** 10)
+    assert_same_bits(run_vmap(x, cfg, rescale=True), run_shard_map(x, cfg, rescale=True))
+
+
+def test_size_gate_takes_precedence():
+    cfg = ej.EchoConfig(bits=4, rotation="hadamard", transport="xla", min_bytes=1 << 20)
+    x = jax.random.normal(jax.random.key(9), (4, 256))
+    st = some_state(x)
+    y, m1, m2 = run_shard_map(x, cfg, st)
+    mesh = make_mesh((4,), ("tp",))
+    psum = jax.jit(jax.shard_map(lambda v: lax.psum(v[0], "tp")[None], mesh=mesh,
+                                 in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+    assert_same_bits(y, psum(put(x, mesh, P("tp"))))
+    assert_same_bits(m1, st.m1)
+    assert_same_bits(m2, st.m2)
+
+
+def test_pytree_and_group_sizes():
+    tree = {"a": jax.random.normal(jax.random.key(10), (2, 7, 33)),
+            "b": jax.random.normal(jax.random.key(11), (2, 1))}
+    for g in (32, 64, 256):
+        cfg = ej.EchoConfig(bits=8, group_size=g, rotation="hadamard", transport="xla")
+        y = jax.jit(jax.vmap(functools.partial(ej.echo_psum, axis_name="tp", config=cfg),
+                             axis_name="tp"))(tree)
+        for k in tree:
+            exact = np.asarray(tree[k]).sum(0)
+            np.testing.assert_allclose(np.asarray(y[k][0]), exact, rtol=0,
+                                       atol=0.03 * np.abs(exact).max() + 1e-6)
