@@ -16,7 +16,10 @@ A Megatron block is  x -> backward_site -> column-parallel matmul -> ... -> row-
 
 `config` selects the mode of a site: an `EchoConfig`, or None for the exact 16-bit baseline
 (plain `lax.psum`) through the same code path. A tuple of them with a traced `choice` index
-selects per layer inside a scanned stack (e.g. the early-site 8-bit policy of Sec. 7.2).
+selects per layer inside a scanned stack (e.g. the early-site 8-bit policy of Sec. 7.2, or a
+per-site policy calibrated by `models.calibrate`): the configs are static, the index is traced and
+picks a `lax.switch` branch. The compensator state has the same shape under every config (bits,
+group size and rotation only change the wire), so it flows between sites of different configs.
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ def _reduce(x, axis, config: SiteConfig, state, rescale):
     return collective.echo_psum(x, axis, config=config, state=state, rescale=rescale)
 
 
+def _reduce_site(x, axis, config: SiteConfig, state, rescale, exact_in_f32):
+    """`_reduce`; with exact_in_f32 an exact (None) site sums a 16-bit x in fp32 and rounds once
+    (what XLA:CPU's all-reduce does; the vmap simulation of a mixed site policy asks for it)."""
+    if config is None and exact_in_f32 and jnp.dtype(x.dtype).itemsize < 4:
+        y, state = _reduce(x.astype(jnp.float32), axis, None, state, rescale)
+        return y.astype(x.dtype), state
+    return _reduce(x, axis, config, state, rescale)
+
+
 def _as_varying_state(state, axis):
     if state is None:
         return None
@@ -53,23 +65,23 @@ def _as_varying_state(state, axis):
                             collective._to_varying(state.m2, axis))
 
 
-def _reduce_switch(x, axis, configs: SiteConfigs, choice, state, rescale):
+def _reduce_switch(x, axis, configs: SiteConfigs, choice, state, rescale, exact_in_f32=False):
     """`_reduce` under one of several static configs, chosen by a (possibly traced) index."""
     state = _as_varying_state(state, axis)
     if not isinstance(configs, (tuple, list)):
-        return _reduce(x, axis, configs, state, rescale)
+        return _reduce_site(x, axis, configs, state, rescale, exact_in_f32)
     configs = tuple(configs)
     if choice is None:
         raise ValueError("a tuple of site configs needs a `choice` index")
     if len(configs) == 1:
-        return _reduce(x, axis, configs[0], state, rescale)
-    branches = [functools.partial(_branch, axis=axis, config=c, rescale=rescale)
-                for c in configs]
+        return _reduce_site(x, axis, configs[0], state, rescale, exact_in_f32)
+    branches = [functools.partial(_branch, axis=axis, config=c, rescale=rescale,
+                                  exact_in_f32=exact_in_f32) for c in configs]
     return lax.switch(jnp.clip(choice, 0, len(configs) - 1), branches, x, state)
 
 
-def _branch(x, state, *, axis, config, rescale):
-    y, s = _reduce(x, axis, config, state, rescale)
+def _branch(x, state, *, axis, config, rescale, exact_in_f32):
+    y, s = _reduce_site(x, axis, config, state, rescale, exact_in_f32)
     return y, _as_varying_state(s, axis)
 
 
@@ -85,7 +97,7 @@ def _check_configs(configs: SiteConfigs, where: str):
 
 
 def forward_site(x, axis_name, config: SiteConfigs, state: CompensatorState | None = None,
-                 choice=None, rescale: bool = False):
+                 choice=None, rescale: bool = False, exact_in_f32: bool = False):
     """Row-parallel output reduction: y = Echo-all-reduce(x); the backward pass is identity.
 
     Args:
@@ -95,25 +107,27 @@ def forward_site(x, axis_name, config: SiteConfigs, state: CompensatorState | No
       state: forward compensator state (from `init_state(x)` or the previous site), or None.
       choice: int index into a tuple `config` (may be traced, e.g. the layer index).
       rescale: power-of-two rescaling around the all-reduce (off by default in forward).
+      exact_in_f32: exact (None) configs sum a 16-bit x in fp32 and round once.
 
     Returns:
       (y, new_state); new_state is None when state is None.
     """
     _check_configs(config, "forward_site")
     collective.axis_size(collective._single_axis(axis_name, "forward_site"), "forward_site")
-    return _forward_site(x, state, choice, axis_name, config, rescale)
+    return _forward_site(x, state, choice, axis_name, config, rescale, bool(exact_in_f32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _forward_site(x, state, choice, axis, config, rescale):
-    return _reduce_switch(x, axis, config, choice, state, rescale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _forward_site(x, state, choice, axis, config, rescale, exact_in_f32):
+    return _reduce_switch(x, axis, config, choice, state, rescale, exact_in_f32)
 
 
-def _forward_site_fwd(x, state, choice, axis, config, rescale):
-    return _forward_site(x, state, choice, axis, config, rescale), (state, choice)
+def _forward_site_fwd(x, state, choice, axis, config, rescale, exact_in_f32):
+    return (_forward_site(x, state, choice, axis, config, rescale, exact_in_f32),
+            (state, choice))
 
 
-def _forward_site_bwd(axis, config, rescale, res, cts):
+def _forward_site_bwd(axis, config, rescale, exact_in_f32, res, cts):
     state, choice = res
     ct_y, _ = cts
     # Identity: every rank receives the full cotangent of the (replicated) sum.
@@ -136,7 +150,7 @@ def _zero_choice(choice):
 
 
 def backward_site(x, axis_name, config: SiteConfigs, bwd_state: CompensatorState,
-                  choice=None, rescale: bool = True):
+                  choice=None, rescale: bool = True, exact_in_f32: bool = False):
     """Column-parallel input: identity forward; Echo all-reduce of the cotangent backward.
 
     Args:
@@ -147,6 +161,7 @@ def backward_site(x, axis_name, config: SiteConfigs, bwd_state: CompensatorState
         returned one to the next site. Its cotangent carries the backward compensator state.
       choice: index into a tuple `config` (may be traced).
       rescale: power-of-two rescaling of the cotangent (Sec. 5.4); on by default.
+      exact_in_f32: exact (None) configs sum a 16-bit cotangent in fp32 and round once.
 
     Returns:
       (x, bwd_state): both unchanged in value; x typed as varying over the axis.
@@ -159,22 +174,25 @@ def backward_site(x, axis_name, config: SiteConfigs, bwd_state: CompensatorState
     x_varies = collective._varies_over(x, axis_name)
     # The live state is per rank, so its cotangent is varying: type the primal the same way.
     bwd_state = _as_varying_state(bwd_state, axis_name)
-    return _backward_site(x, bwd_state, choice, axis_name, config, rescale, x_varies)
+    return _backward_site(x, bwd_state, choice, axis_name, config, rescale, x_varies,
+                          bool(exact_in_f32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _backward_site(x, bwd_state, choice, axis, config, rescale, x_varies):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _backward_site(x, bwd_state, choice, axis, config, rescale, x_varies, exact_in_f32):
     return collective._to_varying(x, axis), bwd_state
 
 
-def _backward_site_fwd(x, bwd_state, choice, axis, config, rescale, x_varies):
-    return _backward_site(x, bwd_state, choice, axis, config, rescale, x_varies), (choice,)
+def _backward_site_fwd(x, bwd_state, choice, axis, config, rescale, x_varies, exact_in_f32):
+    return (_backward_site(x, bwd_state, choice, axis, config, rescale, x_varies, exact_in_f32),
+            (choice,))
 
 
-def _backward_site_bwd(axis, config, rescale, x_varies, res, cts):
+def _backward_site_bwd(axis, config, rescale, x_varies, exact_in_f32, res, cts):
     (choice,) = res
     ct_x, live_state = cts
-    ct_in, new_state = _reduce_switch(ct_x, axis, config, choice, live_state, rescale)
+    ct_in, new_state = _reduce_switch(ct_x, axis, config, choice, live_state, rescale,
+                                      exact_in_f32)
     if x_varies:  # the cotangent of a varying input must be typed varying too
         ct_in = collective._to_varying(ct_in, axis)
     if new_state is None:

@@ -4,6 +4,7 @@
     python -m models train plot a.json b.json -o compare.png
     python -m models eval --checkpoint smollm2 --tp 3 --bits 4
     python -m models generate --checkpoint smollm2 --prompt "Once upon a time"
+    python -m models calibrate --checkpoint smollm2 --tp 3 --budget-bits 4.5 --out policy.json
     python -m models data --help
 """
 
@@ -17,6 +18,8 @@ COMMANDS = {
     "train": ("models.train", "train a preset (or continue a checkpoint); `train plot` overlays runs"),
     "eval": ("models.eval", "perplexity of a checkpoint, exact or Echo, with greedy agreement"),
     "generate": ("models.generate", "continue a prompt with the KV cache"),
+    "calibrate": ("models.calibrate", "choose per-site all-reduce configs under a wire budget "
+                                      "(--site-bits policy)"),
     "data": ("models.data", "prepare and tokenize the corpus, print its statistics"),
 }
 

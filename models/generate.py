@@ -172,13 +172,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run(args) -> dict:
     """Load, generate, print; returns the JSON record of main()."""
     from models import model as M
-    from models.config import check_tp
+    from models.config import check_comm
 
     comm = comm_from_args(args)
     lm = load_model(args.checkpoint, dtype=args.dtype, step=args.step, tokenizer=args.tokenizer,
                     cache_dir=args.cache_dir)
     cfg, tok = lm.model_cfg, lm.tokenizer
-    check_tp(cfg, comm.tp)
+    check_comm(cfg, comm)
     text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
     if args.chat:
         text = chat_prompt(text, args.system)

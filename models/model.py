@@ -35,6 +35,12 @@ state from site to site in backward order. Its initial value is zeros (`init_sta
 gradient with respect to it is the final backward state. Exact mode (CommConfig.echo=None) runs
 the same code with config None (plain `lax.psum`).
 
+Per-site configs. Every site gets a static tuple of configs and a traced index (a `lax.switch`
+in echo_jax.tp): one config everywhere (index unused), early 8-bit (the index from the layer
+number), or a `SitePolicy` (CommConfig.site_policy): its int32 [L, 2] forward and backward index
+tables enter the scan as xs, so layer l's attention and MLP sites each read their own index. The
+index is the same on every rank, so the switch stays a switch under vmap.
+
 Per-rank program semantics. Every rank runs the whole forward pass and the whole backward pass of
 the full loss on its own (as in Megatron): the f/g custom VJPs decide what crosses ranks. So
 gradients are taken *inside* the per-rank function (`loss_and_grad_*`, `make_train_step`), the
@@ -81,7 +87,7 @@ from jax.sharding import PartitionSpec as PS
 
 from echo_jax import tp as tp_ops
 from echo_jax.compensator import CompensatorState, init_state
-from models.config import CommConfig, ModelConfig, check_tp
+from models.config import CommConfig, ModelConfig, check_comm, check_tp
 
 F32 = jnp.float32
 INIT_STD = 0.02  # HF initializer_range of Qwen3 and Llama
@@ -217,8 +223,19 @@ def _sum_exact_in_f32(x, comm: CommConfig) -> bool:
     simulation gives it the all-reduce's rounding. Inside shard_map (the axis is manual) nothing
     changes: the wire stays 16-bit.
     """
-    return (comm.echo is None and jnp.dtype(x.dtype).itemsize < 4
+    return (comm.exact and _simulated_16bit(x, comm))
+
+
+def _simulated_16bit(x, comm: CommConfig) -> bool:
+    return (jnp.dtype(x.dtype).itemsize < 4
             and comm.axis_name not in jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def _policy_exact_in_f32(x, comm: CommConfig) -> bool:
+    """`_sum_exact_in_f32` for the exact (None) configs of a site policy: those branches sum in
+    fp32 inside the switch (`echo_jax.tp`'s exact_in_f32), the Echo branches are unchanged."""
+    return (comm.site_policy is not None and None in comm.site_policy.configs
+            and _simulated_16bit(x, comm))
 
 
 def f_site(x, comm: CommConfig, configs, bwd_state, choice):
@@ -231,7 +248,8 @@ def f_site(x, comm: CommConfig, configs, bwd_state, choice):
         x32, bwd_state = tp_ops.backward_site(x.astype(F32), comm.axis_name, configs, bwd_state,
                                               choice=choice)
         return x32.astype(x.dtype), bwd_state
-    return tp_ops.backward_site(x, comm.axis_name, configs, bwd_state, choice=choice)
+    return tp_ops.backward_site(x, comm.axis_name, configs, bwd_state, choice=choice,
+                                exact_in_f32=_policy_exact_in_f32(x, comm))
 
 
 def g_site(part, comm: CommConfig, configs, fwd_state, choice):
@@ -246,7 +264,8 @@ def g_site(part, comm: CommConfig, configs, fwd_state, choice):
         y = y.astype(part.dtype)
     else:
         y, fwd_state = tp_ops.forward_site(part, comm.axis_name, configs, fwd_state,
-                                           choice=choice)
+                                           choice=choice,
+                                           exact_in_f32=_policy_exact_in_f32(part, comm))
     return lax.optimization_barrier(y), fwd_state
 
 
@@ -339,11 +358,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One layer as the body of `nn.scan`: carry (h, fwd_state, bwd_state), xs (layer, cache).
+    """One layer as the body of `nn.scan`: carry (h, fwd_state, bwd_state), xs (layer, choices,
+    cache).
 
-    The layer index selects per-layer bits (CommConfig.early_8bit). With `return_state_norms` the
-    per-layer output is the norm of the forward state entering the layer, after its attention
-    site and after its MLP site ([3]).
+    The layer index selects per-layer bits (CommConfig.early_8bit); with a site policy, choices
+    is the layer's row of the policy's index tables, (forward [2], backward [2]): indices into
+    the config tuples of its attention and MLP sites. With `return_state_norms` the per-layer
+    output is the norm of the forward state entering the layer, after its attention site and
+    after its MLP site ([3]).
     """
 
     cfg: ModelConfig
@@ -354,26 +376,31 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, xs, positions, rope):
         cfg, comm = self.cfg, self.comm
         h, fwd, bwd = carry            # h: [B, T, D]; fwd, bwd: CompensatorState of [B, T, D] fp32
-        layer, cache = xs              # layer: int32 []; cache: ([B, S, KV/P, hd],) * 2 or None
+        layer, choices, cache = xs     # layer: int32 []; cache: ([B, S, KV/P, hd],) * 2 or None
         fcfg, bcfg = comm.forward_configs(), comm.backward_configs()
-        choice = comm.layer_choice(layer, cfg.n_layers)
+        if choices is None:            # one config, or per layer (early 8-bit)
+            choice = comm.layer_choice(layer, cfg.n_layers)
+            g_attn = g_mlp = f_attn = f_mlp = choice
+        else:                          # per site: int32 [2] forward, [2] backward
+            fwd_row, bwd_row = choices
+            g_attn, g_mlp, f_attn, f_mlp = fwd_row[0], fwd_row[1], bwd_row[0], bwd_row[1]
         dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         norms = [state_norm(fwd)] if self.return_state_norms else None
 
         # Attention block: norm -> f -> column/row-parallel attention -> g -> residual.
         x = RMSNorm(cfg.norm_eps, dt, pdt, name="attn_norm")(h)              # [B, T, D]
-        x, bwd = f_site(x, comm, bcfg, bwd, choice)                           # f
+        x, bwd = f_site(x, comm, bcfg, bwd, f_attn)                           # f
         part, cache = Attention(cfg, comm, name="attn")(x, positions, rope, cache)
-        y, fwd = g_site(part, comm, fcfg, fwd, choice)                        # g: [B, T, D]
+        y, fwd = g_site(part, comm, fcfg, fwd, g_attn)                        # g: [B, T, D]
         h = h + y
         if norms is not None:
             norms.append(state_norm(fwd))
 
         # MLP block: the same pattern.
         x = RMSNorm(cfg.norm_eps, dt, pdt, name="mlp_norm")(h)
-        x, bwd = f_site(x, comm, bcfg, bwd, choice)                           # f
+        x, bwd = f_site(x, comm, bcfg, bwd, f_mlp)                            # f
         part = MLP(cfg, comm, name="mlp")(x)
-        y, fwd = g_site(part, comm, fcfg, fwd, choice)                        # g
+        y, fwd = g_site(part, comm, fcfg, fwd, g_mlp)                         # g
         h = h + y
         if norms is not None:
             norms.append(state_norm(fwd))
@@ -385,7 +412,9 @@ class Transformer(nn.Module):
     """The decoder for one rank: embedding, L scanned layers, final norm, LM head.
 
     Call with tokens [B, T], positions int32 [T], the initial backward state (zeros
-    CompensatorState of [B, T, D]) and an optional per-layer cache ((k, v) of [L, B, S, KV/P, hd]).
+    CompensatorState of [B, T, D]), an optional per-layer cache ((k, v) of [L, B, S, KV/P, hd])
+    and optional site choices (forward, backward) int32 [L, 2] that replace the tables of
+    comm.site_policy (its configs stay; e.g. calibration runs many tables through one program).
     Returns (logits fp32 [B, T, V], new cache or None, state norms [L, 3] or None).
     """
 
@@ -395,7 +424,7 @@ class Transformer(nn.Module):
     remat: bool = False
 
     @nn.compact
-    def __call__(self, tokens, positions, bwd_state, cache=None):
+    def __call__(self, tokens, positions, bwd_state, cache=None, site_choices=None):
         cfg = self.cfg
         dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         embed = nn.Embed(cfg.vocab_size, cfg.dim, dtype=dt, param_dtype=pdt,
@@ -408,8 +437,21 @@ class Transformer(nn.Module):
         stack = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                         in_axes=(0, nn.broadcast, nn.broadcast), length=cfg.n_layers)
         layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)      # [L]: per-layer bits choice
+        if site_choices is None:
+            tables = self.comm.site_tables(cfg.n_layers)         # per-site choice, or None
+            site_choices = None if tables is None else tuple(jnp.asarray(t) for t in tables)
+        elif self.comm.site_policy is None:
+            raise ValueError("site_choices index the configs of CommConfig.site_policy, which "
+                             "is None")
+        if site_choices is not None:
+            site_choices = tuple(jnp.asarray(t, jnp.int32) for t in site_choices)
+            for t in site_choices:
+                if t.shape != (cfg.n_layers, 2):
+                    raise ValueError(f"site choice tables must be int [L, 2] = "
+                                     f"[{cfg.n_layers}, 2], got {t.shape}")
         (h, _, _), (norms, cache) = stack(cfg, self.comm, self.return_state_norms,
-                                          name="layers")((h, fwd, bwd_state), (layers, cache),
+                                          name="layers")((h, fwd, bwd_state),
+                                                         (layers, site_choices, cache),
                                                          positions, rope)
 
         h = RMSNorm(cfg.norm_eps, dt, pdt, name="final_norm")(h)  # [B, T, D]
@@ -591,7 +633,8 @@ class ForwardOutput(NamedTuple):
 
 def forward_local(params, tokens, model_cfg: ModelConfig, comm: CommConfig, *,
                   cache: Optional[KVCache] = None, bwd_state: Optional[CompensatorState] = None,
-                  return_state_norms: bool = False, remat: bool = False) -> ForwardOutput:
+                  return_state_norms: bool = False, remat: bool = False,
+                  site_choices=None) -> ForwardOutput:
     """One rank's forward pass; call inside `jax.shard_map` / `jax.vmap` binding comm.axis_name.
 
     Args:
@@ -605,6 +648,8 @@ def forward_local(params, tokens, model_cfg: ModelConfig, comm: CommConfig, *,
         gradient.
       return_state_norms: also return the per-layer forward-state norms.
       remat: rematerialise each layer in the backward pass (saves activation memory).
+      site_choices: (forward, backward) int [L, 2] index tables into comm.site_policy's configs
+        that replace the policy's own (may be traced: one compiled program serves many tables).
 
     Returns:
       ForwardOutput(logits [B, T, V] fp32, new cache or None, state norms [L, 3] or None).
@@ -617,7 +662,7 @@ def forward_local(params, tokens, model_cfg: ModelConfig, comm: CommConfig, *,
     layer_cache = None if cache is None else (cache.k, cache.v)
     module = Transformer(model_cfg, comm, return_state_norms, remat)
     logits, new_cache, norms = module.apply({"params": params}, tokens, positions, bwd_state,
-                                            layer_cache)
+                                            layer_cache, site_choices)
     if cache is not None:
         new_cache = KVCache(new_cache[0], new_cache[1], cache.length + t)
     return ForwardOutput(logits, new_cache, norms)
@@ -730,7 +775,7 @@ def _check_call(params, model_cfg: ModelConfig, comm: CommConfig):
         raise ValueError(f"model_cfg must be a ModelConfig, got {type(model_cfg).__name__}")
     if not isinstance(comm, CommConfig):
         raise ValueError(f"comm must be a CommConfig, got {type(comm).__name__}")
-    check_tp(model_cfg, comm.tp)
+    check_comm(model_cfg, comm)
     check_params(params, model_cfg, comm.tp, stacked=True)
 
 
@@ -912,7 +957,7 @@ def make_train_step(model_cfg: ModelConfig, comm: CommConfig, optimizer,
     """
     import optax
 
-    check_tp(model_cfg, comm.tp)
+    check_comm(model_cfg, comm)
 
     def local_step(params, opt_state, tokens, targets, mask):
         loss, grads = jax.value_and_grad(loss_local)(params, tokens, targets, model_cfg, comm,
@@ -951,7 +996,7 @@ def init_cache(model_cfg: ModelConfig, comm: CommConfig, batch_size: int,
     Returns:
       KVCache(k, v [P, L, B, S, KV/P, hd] zeros in the compute dtype, length [P] zeros).
     """
-    check_tp(model_cfg, comm.tp)
+    check_comm(model_cfg, comm)
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len <= 0:
         raise ValueError(f"init_cache: max_len must be a positive int, got {max_len!r}")
     if max_len > model_cfg.max_seq_len:
@@ -1014,13 +1059,17 @@ def decode_step(params_stacked, tokens, cache: KVCache, model_cfg: ModelConfig,
 # Unsharded reference (plain jnp, no TP, no Flax): the parity target of the tests
 
 
-def apply_reference(full_params, tokens, cfg: ModelConfig):
+def apply_reference(full_params, tokens, cfg: ModelConfig, site_offsets=None):
     """Logits of the full model written out in plain jnp, one layer after the other.
 
     Args:
       full_params: unsharded parameters (`init_params` / the loaders).
       tokens: int [B, T].
       cfg: the model config (its compute dtype is used).
+      site_offsets: optional [2 L, B, T, D] added to the block outputs (site 2l: layer l's
+        attention output, 2l + 1: its MLP output) before the residual adds. Zeros change
+        nothing; the gradient with respect to them is the loss's sensitivity to each site's sum
+        (`models.calibrate`).
 
     Returns:
       logits fp32 [B, T, V].
@@ -1050,12 +1099,14 @@ def apply_reference(full_params, tokens, cfg: ModelConfig):
         s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=F32) / math.sqrt(hd)
         s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
         a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1).astype(dt), v)
-        h = h + a.reshape(b, t, -1) @ at["o_proj"]["kernel"][i].astype(dt)
+        out = a.reshape(b, t, -1) @ at["o_proj"]["kernel"][i].astype(dt)
+        h = h + (out if site_offsets is None else out + site_offsets[2 * i].astype(dt))
         ml = lp["mlp"]
         x = rms_norm(h, lp["mlp_norm"]["scale"][i], cfg.norm_eps).astype(dt)
         g = x @ ml["gate_proj"]["kernel"][i].astype(dt)
         u = x @ ml["up_proj"]["kernel"][i].astype(dt)
-        h = h + (jax.nn.silu(g) * u) @ ml["down_proj"]["kernel"][i].astype(dt)
+        out = (jax.nn.silu(g) * u) @ ml["down_proj"]["kernel"][i].astype(dt)
+        h = h + (out if site_offsets is None else out + site_offsets[2 * i + 1].astype(dt))
     h = rms_norm(h, p["final_norm"]["scale"], cfg.norm_eps).astype(dt)
     head = emb.T if cfg.tie_embeddings else p["lm_head"]        # [D, V]
     return jnp.einsum("btd,dv->btv", h, head.astype(dt), preferred_element_type=F32)

@@ -8,6 +8,10 @@ checkpoint in ``--checkpoint-dir``, with P tensor-parallel ranks whose all-reduc
         --checkpoint-dir runs/small-4bit --json runs/small-4bit.json --plot runs/small-4bit.png
     python -m models.train plot runs/small-16bit.json runs/small-4bit.json -o compare.png
 
+``--site-bits POLICY.json`` (``python -m models.calibrate``) gives every all-reduce site its own
+config (bits, group size, rotation) instead of ``--bits``; the backward sites follow the policy's
+"backward" table, or its forward one.
+
 Recipe (the Echo paper App. B, the defaults): AdamW with betas (0.9, 0.95), eps 1e-5, weight
 decay 0.1 (on every kernel and embedding, not on the norm scales); linear warmup to the peak LR,
 then cosine decay to 10% of it at ``--steps``; global-norm clipping at 1.0 of the full model's
@@ -124,13 +128,30 @@ def add_comm_args(parser: argparse.ArgumentParser, default_bits: int = 16) -> No
     g.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="Echo transport: auto (the custom call where it can run, else XLA), "
                         "xla, or p2p. Simulated ranks always use xla.")
+    g.add_argument("--site-bits", metavar="FILE",
+                   help="per-site precision: a site-policy JSON (written by python -m "
+                        "models.calibrate) giving every all-reduce site its own bits / group "
+                        "size / rotation; replaces --bits, --group-size, --policy and --eta "
+                        "(--no-compensation and --transport still apply)")
 
 
 def comm_from_args(args):
     """The CommConfig of the parsed comm flags (a ValueError names a bad value)."""
     from echo_jax.config import EchoConfig
-    from models.config import CommConfig
+    from models.config import CommConfig, load_site_policy
 
+    site_bits = getattr(args, "site_bits", None)
+    if site_bits:
+        if args.early_8bit:
+            raise ValueError("--site-bits and --early-8bit are exclusive (the policy file gives "
+                             "every site its bits)")
+        try:
+            policy = load_site_policy(site_bits, transport=args.transport)
+        except FileNotFoundError as err:
+            raise ValueError(f"--site-bits: {err}") from None
+        on = not args.no_compensation
+        return CommConfig(tp=args.tp, site_policy=policy, compensate_forward=on,
+                          compensate_backward=on)
     if args.bits == 16:
         if args.early_8bit:
             raise ValueError("--early-8bit needs --bits 4 (the exact 16-bit baseline has no "
@@ -143,10 +164,15 @@ def comm_from_args(args):
 
 
 def comm_to_dict(comm) -> dict:
-    """A JSON-able description of a CommConfig."""
-    return {"tp": comm.tp, "bits": 16 if comm.echo is None else comm.echo.bits,
-            "echo": None if comm.echo is None else dataclasses.asdict(comm.echo),
-            "early_8bit": comm.early_8bit, "label": comm.describe()}
+    """A JSON-able description of a CommConfig (a site policy: its JSON object, bits None)."""
+    out = {"tp": comm.tp, "bits": 16 if comm.exact else (None if comm.echo is None
+                                                          else comm.echo.bits),
+           "echo": None if comm.echo is None else dataclasses.asdict(comm.echo),
+           "early_8bit": comm.early_8bit, "label": comm.describe()}
+    if comm.site_policy is not None:
+        out["site_policy"] = {"file": comm.site_policy.name, **comm.site_policy.to_dict()}
+        out["compensate"] = comm.compensate_forward
+    return out
 
 
 def make_mesh(comm, simulate: bool):
@@ -825,7 +851,7 @@ def _train(args) -> int:
 
     from models import data as D
     from models import model as M
-    from models.config import ModelConfig, check_tp
+    from models.config import ModelConfig, check_comm
 
     comm = comm_from_args(args)
     resume = None
@@ -883,7 +909,7 @@ def _train(args) -> int:
         if args.seq_len > model_cfg.max_seq_len:
             raise ValueError(f"--seq-len {args.seq_len} exceeds the checkpoint's max_seq_len "
                              f"{model_cfg.max_seq_len}")
-    check_tp(model_cfg, comm.tp)
+    check_comm(model_cfg, comm)
     max_id = int(np.max(train_tokens)) if len(train_tokens) else 0
     if max_id >= model_cfg.vocab_size:
         raise ValueError(f"token id {max_id} >= vocab_size {model_cfg.vocab_size}: the token "

@@ -236,6 +236,33 @@ def test_wire_bits_per_element():
         pytest.approx(4.25 * 256 / 192)
 
 
+def test_eval_and_generate_with_site_bits(run, capsys):
+    """--site-bits POLICY.json: eval reports the policy's wire bits; a policy for another layer
+    count is a clear error; generate runs it."""
+    from models.config import SitePolicy
+
+    e4 = EchoConfig(bits=4)
+    policy = SitePolicy((e4, e4.replace(bits=8), e4.replace(group_size=32)), ((0, 1), (2, 0)))
+    policy.save(run / "policy.json", model="tiny", tp=2)
+    common = ["--checkpoint", str(run / "ckA"), "--text", str(run / "heldout.txt"),
+              "--window", "64", "--batch-size", "8", "--max-tokens", "512", "--quiet",
+              "--tp", "2", "--simulate"]
+    assert E.main([*common, "--site-bits", str(run / "policy.json"), "--reference-bits", "16",
+                   "--json", str(run / "eval_sites.json")]) == 0
+    r = read_json(run / "eval_sites.json")
+    want = (4.25 + 8.25 + 5.0 + 4.25) / 4
+    assert r["wire_bits_per_element"] == pytest.approx(want)
+    assert r["wire_bits_nominal"] == pytest.approx(want)
+    assert r["config"]["comm"]["site_policy"]["forward"] == [[0, 1], [2, 0]]
+    assert r["reference"]["comm"]["bits"] == 16 and 0.8 < r["greedy_agreement"] <= 1.0
+    SitePolicy.uniform(e4, 3).save(run / "policy3.json")
+    assert E.main([*common, "--site-bits", str(run / "policy3.json")]) == 1
+    assert "3 layers" in capsys.readouterr().err
+    assert G.main(["--checkpoint", str(run / "ckA"), "--prompt", "The king", "--tp", "2",
+                   "--simulate", "--max-new-tokens", "4", "--ignore-eos",
+                   "--site-bits", str(run / "policy.json")]) == 0
+
+
 @pytest.fixture(scope="module")
 def smollm2_gguf():
     from models.loaders import smollm2_gguf_path

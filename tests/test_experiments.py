@@ -45,7 +45,7 @@ def assert_png(path):
 
 def test_help_exits_zero(capsys):
     for argv in (["--help"], ["inference", "--help"], ["ablations", "--help"],
-                 ["error-process", "--help"], ["pretrain-table", "--help"]):
+                 ["error-process", "--help"], ["pretrain-table", "--help"], ["beyond", "--help"]):
         with pytest.raises(SystemExit) as exc:
             X.main(argv)
         assert exc.value.code == 0, argv
@@ -74,6 +74,52 @@ def test_inference_writes_every_row(text_file, tmp_path):
     assert by["4bit-none"]["eta"] == 0.0 and not by["4bit-none"]["compensated"]
     assert by["4bit-sym"]["policy"] == "sym" and by["4bit-naive"]["policy"] == "asym_naive"
     assert by["early-8bit"]["early_8bit"] and by["early-8bit"]["bits"] == 4
+
+
+def test_beyond_rows_pareto_and_calibrated_policy(text_file, tmp_path):
+    argv = common(text_file, tmp_path, "--name", "smoke", "--configs", "4g64", "4g128-sym",
+                  "4g64-h", "calib-4.5", "calib-4.5-h-proxy", "--calib-text", str(text_file),
+                  "--calib-windows", "2", "--calib-window", "32")
+    assert X.main(["beyond", *argv]) == 0
+    out = tmp_path / "accuracy_beyond_smoke.json"
+    r = read(out)
+    assert_png(out.with_suffix(".png"))
+    assert [row["key"] for row in r["rows"]] == ["16bit", "4g64", "4g128-sym", "4g64-h",
+                                                 "calib-4.5", "calib-4.5-h-proxy"]
+    by = {row["key"]: row for row in r["rows"]}
+    for row in r["rows"]:
+        for k in ("label", "config", "wire_bits_per_element", "perplexity", "delta_ppl_vs_16bit",
+                  "rel_delta_ppl_vs_16bit_pct", "greedy_agreement", "tokens", "seconds",
+                  "pareto"):
+            assert k in row, (row["key"], k)
+        assert row["tokens"] == 64
+    assert by["16bit"]["wire_bits_per_element"] == 16.0
+    assert by["4g64"]["wire_bits_per_element"] == 4.5
+    assert by["4g128-sym"]["wire_bits_per_element"] == 4.125     # 4 + 16 / 128
+    cal = by["calib-4.5"]
+    assert cal["wire_bits_per_element"] <= 4.5 + 1e-9 and cal["config"]["site_policy"]
+    assert cal["calibration"]["method"] == "measure"                # tiny: auto measures
+    policy = Path(cal["calibration"]["policy_file"])
+    assert policy.name == "policy_beyond_smoke_b4.5.json" and policy.is_file()
+    proxy = by["calib-4.5-h-proxy"]
+    assert proxy["calibration"]["method"] == "proxy"
+    assert all(c.endswith("-h") for c in proxy["calibration"]["options"])
+    assert by["4g64-h"]["config"]["rotation"] == "hadamard"
+    assert r["goal"]["budget_bits"] == 4.5 and r["pareto"]
+    assert by["4g128-sym"]["pareto"]                                 # the cheapest row
+    # --resume keeps the rows and adds a policy-file row.
+    assert X.main(["beyond", *argv, "--resume", "--policy", str(policy)]) == 0
+    keys = [row["key"] for row in read(out)["rows"]]
+    assert keys == ["16bit", "4g64", "4g128-sym", "4g64-h", "calib-4.5", "calib-4.5-h-proxy",
+                    "policy:" + policy.name]
+    assert X.main(["beyond", *common(text_file, tmp_path, "--configs", "4g5")]) == 1
+
+
+def test_pareto_front():
+    rows = [{"wire_bits_per_element": b, "rel_delta_ppl_vs_16bit_pct": d}
+            for b, d in ((16, 0.0), (4.25, 70.0), (4.5, 40.0), (5.0, 45.0), (8.25, 0.1),
+                         (4.5, 30.0))]
+    assert X.pareto_front(rows) == [1, 5, 4, 0]
 
 
 def test_ablations_rows_and_aliases(text_file, tmp_path):

@@ -54,7 +54,7 @@ def test_model_config_errors_name_field_and_value(field, value):
 
 @pytest.mark.parametrize("field,value", [
     ("tp", 0), ("tp", 2.0), ("axis_name", ""), ("echo", {"bits": 4}), ("early_8bit", "yes"),
-    ("compensate_forward", None),
+    ("compensate_forward", None), ("site_policy", "policy.json"),
 ])
 def test_comm_config_errors_name_field(field, value):
     with pytest.raises(ValueError, match=field):
