@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -63,11 +62,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from echo_jax.calibration import choose_site_configs, parse_site_config
+
 DEFAULT_OPTIONS = ("4g128", "4g64", "4g32", "8g128")
 DEFAULT_BUDGET = 4.5
 #: --method auto measures unless (parameters x calibration tokens x passes) exceeds this on CPU.
 AUTO_MEASURE_LIMIT = 1e12
-_OPTION = re.compile(r"^(?P<bits>\d+)g(?P<g>\d+)(?P<mods>(?:-(?:sym|naive|asym|h))*)$")
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ _OPTION = re.compile(r"^(?P<bits>\d+)g(?P<g>\d+)(?P<mods>(?:-(?:sym|naive|asym|h
 
 
 def parse_option(spec: str, rotation: str = "none", transport: str = "xla"):
-    """A site config from its short name (see the module docstring); "16" / "exact": None.
+    """`echo_jax.calibration.parse_site_config` with the error naming --options.
 
     Args:
       spec: e.g. "4g128", "4g64-sym", "4g128-h", "8g128", "16".
@@ -85,29 +85,10 @@ def parse_option(spec: str, rotation: str = "none", transport: str = "xla"):
     Returns:
       An EchoConfig (paper compensator defaults), or None for exact.
     """
-    from echo_jax.config import EchoConfig
-
-    s = spec.strip().lower()
-    if s in ("16", "exact", "16bit"):
-        return None
-    m = _OPTION.match(s)
-    if m is None:
-        raise ValueError(f"--options: {spec!r} is not an option; write <bits>g<group size>"
-                         "[-sym|-naive][-h], e.g. 4g128, 4g64-sym, 4g128-h, 8g128, or 16")
-    mods = [x for x in m.group("mods").split("-") if x]
-    policy = "asym"
-    for x in mods:
-        if x in ("sym", "naive", "asym"):
-            policy = {"sym": "sym", "naive": "asym_naive", "asym": "asym"}[x]
-    rot = "hadamard" if "h" in mods else rotation
-    fields = {"bits": int(m.group("bits")), "group_size": int(m.group("g")), "policy": policy,
-              "transport": transport}
-    if rot != "none":
-        fields["rotation"] = rot
     try:
-        return EchoConfig(**fields)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"--options {spec!r}: {err}") from None
+        return parse_site_config(spec, rotation, transport)
+    except ValueError as err:
+        raise ValueError(f"--options: {err}") from None
 
 
 def parse_options(specs: Sequence[str], rotation: str = "none", transport: str = "xla") -> tuple:
@@ -137,66 +118,13 @@ def option_costs(options) -> np.ndarray:
 
 
 def choose_sites(est, costs, budget: float, start: Optional[Sequence[int]] = None):
-    """Choose one option per site under an average wire budget, greedily.
-
-    Args:
-      est: [S, O] estimated NLL increase of option o at site k (any common offset per site; only
-        differences within a row matter). NaN = option unavailable at that site.
-      costs: [O] wire bits per element of each option.
-      budget: the average wire bits per element over the S sites.
-      start: the starting option per site (default: the cheapest option; among equally cheap
-        ones, the one with the lowest estimate).
-
-    Returns:
-      (choice: list of S option indices, steps: list of dicts (site, from, to, gain, extra bits,
-      average bits after the step)). The average cost of the choice is at most `budget`.
-    """
-    est = np.asarray(est, np.float64)
+    """`echo_jax.calibration.choose_site_configs` (the greedy knapsack; see there), with a
+    budget below the cheapest option reported as --budget-bits."""
     costs = np.asarray(costs, np.float64)
-    n_sites, n_opt = est.shape
-    tol = 1e-9
-    cheapest = float(costs.min())
-    if cheapest > budget + tol:
+    if costs.size and float(costs.min()) > budget + 1e-9:
         raise ValueError(f"--budget-bits {budget:g} is below the cheapest option "
-                         f"({cheapest:g} bits per element)")
-    if start is None:
-        low = [o for o in range(n_opt) if costs[o] <= cheapest + tol]
-        start = []
-        for k in range(n_sites):
-            vals = [(est[k, o] if np.isfinite(est[k, o]) else np.inf, o) for o in low]
-            start.append(min(vals)[1])
-    choice = [int(c) for c in start]
-    total = float(sum(costs[c] for c in choice))
-    limit = budget * n_sites
-    if total > limit + tol:
-        raise ValueError(f"the starting choice costs {total / n_sites:g} bits, above the budget")
-    steps = []
-    while True:
-        best = None
-        for k in range(n_sites):
-            a = choice[k]
-            for o in range(n_opt):
-                extra = costs[o] - costs[a]
-                if o == a or extra < -tol or total + extra > limit + tol:
-                    continue
-                if not np.isfinite(est[k, o]):
-                    continue
-                gain = est[k, a] - est[k, o]
-                if not gain > 0:
-                    continue
-                ratio = math.inf if extra <= tol else gain / extra
-                key = (ratio, gain)
-                if best is None or key > best[0]:
-                    best = (key, k, o, extra, gain)
-        if best is None:
-            break
-        _, k, o, extra, gain = best
-        steps.append({"site": k, "from": choice[k], "to": o, "gain": float(gain),
-                      "extra_bits": float(extra)})
-        choice[k] = o
-        total += extra
-        steps[-1]["average_bits"] = total / n_sites
-    return choice, steps
+                         f"({float(costs.min()):g} bits per element)")
+    return choose_site_configs(est, costs, budget, start)
 
 
 # --------------------------------------------------------------------------------------------

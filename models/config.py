@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from echo_jax import tp as tp_ops
+from echo_jax.calibration import site_config_label, site_wire_bits
 from echo_jax.config import EchoConfig
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -159,33 +160,10 @@ def _echo_fields() -> tuple:
     return tuple(f.name for f in dataclasses.fields(EchoConfig))
 
 
-def config_wire_bits(config: Optional[EchoConfig]) -> float:
-    """Nominal wire bits per element of one site config: 16 for exact (None), else codes plus
-    the fp16 scale (and zero-point, asym) of a group spread over its g values, e.g. 4.25 for
-    4-bit g = 128 asym (`EchoConfig.wire_bits_per_element`)."""
-    if config is None:
-        return 16.0
-    prop = getattr(config, "wire_bits_per_element", None)
-    if prop is not None:
-        return float(prop)
-    from echo_jax.quant import num_params  # the one definition of the wire format
-
-    return config.bits + 16.0 * num_params(config.policy) / config.group_size
-
-
-def config_label(config: Optional[EchoConfig]) -> str:
-    """A short name of a site config: "16", "4g128", "4g64-sym", "8g128-h" (hadamard), ...;
-    a non-default compensator adds e.g. "-eta0"."""
-    if config is None:
-        return "16"
-    s = f"{config.bits}g{config.group_size}"
-    if config.policy != "asym":
-        s += "-sym" if config.policy == "sym" else "-naive"
-    if getattr(config, "rotation", "none") != "none":
-        s += "-h" if config.rotation == "hadamard" else f"-{config.rotation}"
-    if config.eta != 0.75:
-        s += f"-eta{config.eta:g}"
-    return s
+#: Wire bits per element of one site config (16 for exact); `echo_jax.calibration`.
+config_wire_bits = site_wire_bits
+#: The short name of a site config ("16", "4g128", "4g64-sym", "8g128-h", ...).
+config_label = site_config_label
 
 
 @dataclasses.dataclass(frozen=True)

@@ -298,7 +298,7 @@ def test_parse_options():
     assert K.parse_option("16") is None
     assert K.parse_option("4g64-h").rotation == "hadamard"
     assert K.parse_option("4g64", rotation="hadamard").rotation == "hadamard"
-    with pytest.raises(ValueError, match="'4x128' is not an option"):
+    with pytest.raises(ValueError, match="--options: site config '4x128' is not a name"):
         K.parse_option("4x128")
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         K.parse_option("5g128")
