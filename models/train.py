@@ -125,13 +125,18 @@ def add_comm_args(parser: argparse.ArgumentParser, default_bits: int = 16) -> No
                         "Default 128.")
     g.add_argument("--eta", type=float, default=0.75,
                    help="compensator gain eta in [0, 1] (0 = no compensation). Default 0.75.")
+    g.add_argument("--rotation", choices=("none", "hadamard"), default="none",
+                   help="hadamard: rotate each quantization group by a randomized Hadamard "
+                        "matrix before quantizing (same wire cost; needs a power-of-two "
+                        "--group-size). Default none.")
     g.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="Echo transport: auto (the custom call where it can run, else XLA), "
                         "xla, or p2p. Simulated ranks always use xla.")
     g.add_argument("--site-bits", metavar="FILE",
                    help="per-site precision: a site-policy JSON (written by python -m "
                         "models.calibrate) giving every all-reduce site its own bits / group "
-                        "size / rotation; replaces --bits, --group-size, --policy and --eta "
+                        "size / rotation; replaces --bits, --group-size, --policy, --eta and "
+                        "--rotation "
                         "(--no-compensation and --transport still apply)")
 
 
@@ -159,7 +164,7 @@ def comm_from_args(args):
         return CommConfig(tp=args.tp)
     eta = 0.0 if args.no_compensation else args.eta
     echo = EchoConfig(bits=args.bits, group_size=args.group_size, policy=args.policy, eta=eta,
-                      transport=args.transport)
+                      transport=args.transport, rotation=getattr(args, "rotation", "none"))
     return CommConfig(tp=args.tp, echo=echo, early_8bit=args.early_8bit)
 
 

@@ -263,6 +263,20 @@ def test_eval_and_generate_with_site_bits(run, capsys):
                    "--site-bits", str(run / "policy.json")]) == 0
 
 
+def test_eval_rotation_flag(run, capsys):
+    """--rotation hadamard reaches the EchoConfig (same wire bits); a group size that is not a
+    power of two is a clear error naming it."""
+    common = ["--checkpoint", str(run / "ckA"), "--text", str(run / "heldout.txt"),
+              "--window", "64", "--batch-size", "8", "--max-tokens", "256", "--quiet",
+              "--tp", "2", "--simulate", "--bits", "4"]
+    assert E.main([*common, "--rotation", "hadamard", "--json", str(run / "eval_h.json")]) == 0
+    r = read_json(run / "eval_h.json")
+    assert r["config"]["comm"]["echo"]["rotation"] == "hadamard"
+    assert r["wire_bits_per_element"] == pytest.approx(4.25)
+    assert E.main([*common, "--rotation", "hadamard", "--group-size", "96"]) == 1
+    assert "group_size" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def smollm2_gguf():
     from models.loaders import smollm2_gguf_path
