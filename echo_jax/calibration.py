@@ -32,7 +32,7 @@ import numpy as np
 from echo_jax.config import EchoConfig
 from echo_jax.quant import num_params
 
-_NAME = re.compile(r"^(?P<bits>\d+)g(?P<g>\d+)(?P<mods>(?:-(?:sym|naive|asym|h))*)$")
+_NAME = re.compile(r"^(?P<bits>\d+)g(?P<g>\d+)(?P<mods>(?:-(?:sym|naive|asym|h|eta[0-9.]+))*)$")
 _POLICY_OF_MOD = {"sym": "sym", "naive": "asym_naive", "asym": "asym"}
 
 
@@ -41,9 +41,9 @@ def parse_site_config(name: str, rotation: str = "none", transport: str = "xla"
     """The site config a short name stands for (compensator at the paper's defaults).
 
     Args:
-      name: ``<bits>g<group size>[-sym|-naive][-h]``, e.g. "4g128" (4-bit, g = 128, zero-aware
-        asym), "4g64-sym", "4g128-h" (Hadamard-rotated groups), "8g128"; or "16" / "exact" /
-        "16bit" for the exact psum.
+      name: ``<bits>g<group size>[-sym|-naive][-h][-eta<x>]``, e.g. "4g128" (4-bit, g = 128,
+        zero-aware asym), "4g64-sym", "4g128-h" (Hadamard-rotated groups), "8g128",
+        "4g128-eta0" (uncompensated); or "16" / "exact" / "16bit" for the exact psum.
       rotation: the rotation of names without "-h" ("none" or "hadamard").
       transport: the transport of the config ("xla", "p2p" or "auto").
 
@@ -67,6 +67,12 @@ def parse_site_config(name: str, rotation: str = "none", transport: str = "xla"
         policy = _POLICY_OF_MOD.get(x, policy)
     fields = {"bits": int(m.group("bits")), "group_size": int(m.group("g")), "policy": policy,
               "transport": transport}
+    for x in mods:
+        if x.startswith("eta"):
+            try:
+                fields["eta"] = float(x[3:])
+            except ValueError:
+                raise ValueError(f"site config {name!r}: {x!r} is not eta<number>") from None
     rot = "hadamard" if "h" in mods else rotation
     if rot != "none":
         fields["rotation"] = rot

@@ -1059,7 +1059,8 @@ def beyond_row_spec(key: str) -> dict:
     return {"kind": "uniform", "config": cfg, "group": group,
             "label": f"{key}: {cfg.bits}-bit g{cfg.group_size} {cfg.policy}"
                      + (" + hadamard" if getattr(cfg, "rotation", "none") != "none" else "")
-                     + " comp"}
+                     + (" comp" if cfg.eta > 0 else " none") + ("" if cfg.eta in (0, 0.75)
+                                                                 else f" (eta {cfg.eta:g})")}
 
 
 def _calibrations(setup: Setup, args, params_full):

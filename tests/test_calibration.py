@@ -24,6 +24,17 @@ def test_names_round_trip_and_wire_bits(name, bits, g, policy, rotation, wire):
     assert ej.site_wire_bits(cfg) == wire == cfg.wire_bits_per_element
 
 
+def test_eta_suffix_round_trips():
+    cfg = ej.parse_site_config("4g128-h-eta0")
+    assert cfg.eta == 0.0 and cfg.rotation == "hadamard"
+    assert ej.site_config_label(cfg) == "4g128-h-eta0"
+    assert ej.parse_site_config("8g64-sym-eta0.5").eta == 0.5
+    with pytest.raises(ValueError, match="eta must be in"):
+        ej.parse_site_config("4g128-eta2")
+    with pytest.raises(ValueError, match="'eta1.2.3' is not eta<number>"):
+        ej.parse_site_config("4g128-eta1.2.3")
+
+
 def test_exact_and_rotation_default():
     assert ej.parse_site_config("16") is None and ej.parse_site_config("exact") is None
     assert ej.site_wire_bits(None) == 16.0 and ej.site_config_label(None) == "16"
