@@ -198,7 +198,7 @@ def test_early_8bit_policy_equals_the_flag_bit_for_bit(tiny4, data):
 
 
 def test_simulation_matches_shard_map_under_a_mixed_policy(data):
-    """Mixed bits, group sizes and an exact site, separate backward table: the vmap simulation
+    """Mixed bits, group sizes, rotation and an exact site, separate backward table: the vmap simulation
     equals shard_map bit for bit (logits, loss, every gradient). In bf16 the exact branch of the
     switch sums in fp32 like XLA:CPU's all-reduce (fp32 Echo is covered by the uniform tests of
     test_model.py, which the one-config policy equals bit for bit)."""
@@ -207,7 +207,8 @@ def test_simulation_matches_shard_map_under_a_mixed_policy(data):
     full = M.init_params(jax.random.key(7), cfg)
     st = M.shard_params(full, tp, cfg)
     mesh = make_mesh((tp,), ("tp",))
-    pol = C.SitePolicy((E4, E8, None, E4G32), ((0, 3), (2, 1)), ((1, 2), (3, 0)), "mixed")
+    pol = C.SitePolicy((E4, E8, None, E4G32, E4G32.replace(rotation="hadamard")),
+                       ((4, 3), (2, 1)), ((1, 2), (3, 4)), "mixed")
     comm = C.CommConfig(tp=tp, site_policy=pol)
     same_bits(M.apply_simulated(st, x, cfg, comm), M.apply_sharded(st, x, cfg, comm, mesh),
               "logits")
@@ -230,8 +231,9 @@ def test_p2p_equals_xla_under_a_mixed_policy(data):
     def comm(transport):
         e = E4.replace(transport=transport)
         return C.CommConfig(tp=2, site_policy=C.SitePolicy(
-            (e, e.replace(bits=8), None, e.replace(group_size=32)), ((0, 3), (2, 1)),
-            ((1, 2), (3, 0))))
+            (e, e.replace(bits=8), None, e.replace(group_size=32),
+             e.replace(group_size=64, rotation="hadamard")), ((4, 3), (2, 1)),
+            ((1, 2), (3, 4))))
 
     same_bits(M.apply_sharded(st, x, TINY, comm("p2p"), mesh),
               M.apply_sharded(st, x, TINY, comm("xla"), mesh), "logits")
