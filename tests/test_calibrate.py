@@ -198,8 +198,8 @@ def test_early_8bit_policy_equals_the_flag_bit_for_bit(tiny4, data):
 
 
 def test_simulation_matches_shard_map_under_a_mixed_policy(data):
-    """Mixed bits, group sizes, rotation and an exact site, separate backward table: the vmap simulation
-    equals shard_map bit for bit (logits, loss, every gradient). In bf16 the exact branch of the
+    """Mixed bits, group sizes, rotation and an exact site, separate backward table: the vmap
+    simulation equals shard_map bit for bit (logits, loss, every gradient). In bf16 the exact branch of the
     switch sums in fp32 like XLA:CPU's all-reduce (fp32 Echo is covered by the uniform tests of
     test_model.py, which the one-config policy equals bit for bit)."""
     cfg, tp = TINY.replace(dtype="bfloat16", qk_norm=False, name="tiny-bf16"), 2
