@@ -1031,6 +1031,14 @@ def bench_kernels(args) -> dict:
             rows.append(dict(op=f"dequantize {bits}-bit", dtype="float32", size_bytes=size,
                              seconds=d_s, bytes_moved=moved, gbps=moved / d_s / 1e9,
                              pct_of_copy=100 * moved / d_s / copy_bw))
+        # rotation="hadamard" adds one rotation before quantizing and one inverse after the sum,
+        # as XLA ops (a log2(g)-stage butterfly per group), each reading and writing n fp32 values.
+        for op, fn in (("hadamard rotate g128 (XLA)", ej.hadamard_rotate),
+                       ("hadamard unrotate g128 (XLA)", ej.hadamard_unrotate)):
+            r_s = time_op(lambda v, fn=fn: fn(v, 128), x, args.iters, args.repeats)
+            rows.append(dict(op=op, dtype="float32", size_bytes=size, seconds=r_s,
+                             bytes_moved=8 * n, gbps=8 * n / r_s / 1e9,
+                             pct_of_copy=100 * 8 * n / r_s / copy_bw))
     return {"benchmark": "kernels", "device": str(jax.devices()[0].device_kind), "rows": rows}
 
 

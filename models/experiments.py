@@ -1268,6 +1268,7 @@ def plot_beyond(record: dict, out: Path) -> None:
     """Pareto plot: wire bits per element against the perplexity increase over 16-bit (%)."""
     plt = _plt()
     rows = [r for r in record["rows"] if r["key"] != "16bit"]
+    used = set()  # the point colours drawn, for the legend
     fig, ax = plt.subplots(figsize=(9, 6))
     if rows:
         xs = np.array([r["wire_bits_per_element"] for r in rows])
@@ -1275,6 +1276,7 @@ def plot_beyond(record: dict, out: Path) -> None:
         colors = {"calibrated": "C3", "mixed": "C1", "policy file": "C4"}
         for r, x, y in zip(rows, xs, ys):
             c = colors.get(r["group"], "C2" if "rotated" in r["group"] else "C0")
+            used.add(c)
             ax.scatter([x], [y], color=c, s=40, zorder=3,
                        edgecolor="k" if r.get("pareto") else "none")
             ax.annotate(r["key"], (x, y), textcoords="offset points", xytext=(5, 3), fontsize=7)
@@ -1298,7 +1300,7 @@ def plot_beyond(record: dict, out: Path) -> None:
     handles, _ = ax.get_legend_handles_labels()
     handles += [Line2D([], [], marker="o", ls="", color=c, label=lab) for c, lab in
                 (("C0", "uniform"), ("C2", "uniform + hadamard"), ("C1", "early 8-bit"),
-                 ("C3", "calibrated per-site"), ("C4", "policy file"))]
+                 ("C3", "calibrated per-site"), ("C4", "policy file")) if c in used]
     ax.legend(handles=handles, fontsize=8, loc="upper right")
     ax.set_xlabel("wire bits per element (codes + scale / zero-point, mean over forward sites)")
     ax.set_ylabel("perplexity increase over 16-bit (%)")
