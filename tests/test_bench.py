@@ -179,12 +179,19 @@ def test_e2e_tiny(tmp_path, capsys):
     keys = {(r["load_pct"], r["mode"]) for r in result["rows"]}
     assert keys == {(load, m) for load in (0.0, 50.0)
                     for m in ("psum", "echo4-comp", bench.NO_ALLREDUCE)}
+    none = {r["load_pct"]: r for r in result["rows"] if r["mode"] == bench.NO_ALLREDUCE}
     for r in result["rows"]:
         assert _finite_positive(r["ttft_s"]) and _finite_positive(r["step_s"])
         assert math.isfinite(r["final_loss"])
         if r["mode"] != bench.NO_ALLREDUCE:
-            assert -1.0 < r["allreduce_share_ttft"] < 1.0
-            assert -1.0 < r["allreduce_share_step"] < 1.0
+            # The share as defined, against the no-all-reduce row at the same load. Its value is
+            # timing noise at this size (a few ms on a shared CPU), so only the definition is
+            # checked, not a range.
+            base = none[r["load_pct"]]
+            for t in ("ttft", "step"):
+                want = (r[f"{t}_s"] - base[f"{t}_s"]) / r[f"{t}_s"]
+                assert r[f"allreduce_share_{t}"] == pytest.approx(want, rel=1e-12)
+                assert r[f"allreduce_share_{t}"] < 1.0
         if r["mode"] == "psum":
             assert r["speedup_step_vs_psum"] == 1.0
         if r["load_pct"] == 50.0:
