@@ -442,9 +442,7 @@ def summarize_choice(policy, n_layers: int) -> str:
     from models.config import config_label
 
     cfgs = policy.site_configs()
-    counts = {}
-    for c in cfgs:
-        counts[config_label(c)] = counts.get(config_label(c), 0) + 1
+    counts = policy.label_counts()
     names = site_names(n_layers)
     base = min(counts, key=lambda k: (-counts[k], k))
     others = [f"{names[k]}={config_label(c)}" for k, c in enumerate(cfgs)

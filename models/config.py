@@ -283,12 +283,16 @@ class SitePolicy:
         return (np.asarray(self.forward, np.int32).reshape(-1, SITES_PER_LAYER),
                 np.asarray(self.backward_rows(), np.int32).reshape(-1, SITES_PER_LAYER))
 
-    def describe(self) -> str:
-        """E.g. "policy.json: 4g128 x52, 8g128 x8; 4.50 bits"."""
+    def label_counts(self) -> dict:
+        """{config label: number of forward sites using it}, in order of first use."""
         counts = {}
         for c in self.site_configs():
             counts[config_label(c)] = counts.get(config_label(c), 0) + 1
-        body = ", ".join(f"{k} x{v}" for k, v in counts.items())
+        return counts
+
+    def describe(self) -> str:
+        """E.g. "policy.json: 4g128 x52, 8g128 x8; 4.50 bits"."""
+        body = ", ".join(f"{k} x{v}" for k, v in self.label_counts().items())
         head = f"{Path(self.name).name}: " if self.name else ""
         return f"{head}{body}; {self.wire_bits_per_element():.3g} bits"
 
@@ -355,8 +359,8 @@ def _check_table(table, n_configs: int, where: str) -> None:
         raise ValueError(f"{where} must be a non-empty tuple of per-layer rows, got {table!r}")
     for layer, row in enumerate(table):
         if not isinstance(row, tuple) or len(row) != SITES_PER_LAYER:
-            raise ValueError(f"{where}[{layer}] must be a pair (attention site, MLP site), "
-                             f"got {row!r}")
+            raise ValueError(f"{where}[{layer}] = {row!r} must be a pair (attention site, "
+                             "MLP site)")
         for s, i in enumerate(row):
             if not _is_int(i) or not 0 <= i < n_configs:
                 raise ValueError(f"{where}[{layer}][{s}] = {i!r} is not an index into the "
@@ -419,17 +423,11 @@ def site_policy_from_dict(record, name: str = "", transport: str = "auto") -> Si
         if not isinstance(rows, list) or not rows:
             raise ValueError(f"{src}: \"{field}\" = {rows!r} must be a list of [attention, MLP] "
                              "index pairs, one per layer")
-        out = []
-        for layer, row in enumerate(rows):
-            if not isinstance(row, list) or len(row) != SITES_PER_LAYER:
-                raise ValueError(f"{src}: \"{field}\"[{layer}] = {row!r} must be a pair "
-                                 "[attention site, MLP site]")
-            for s, i in enumerate(row):
-                if not _is_int(i) or not 0 <= i < len(cfgs):
-                    raise ValueError(f"{src}: \"{field}\"[{layer}][{s}] = {i!r} is not an index "
-                                     f"into \"configs\" ({len(cfgs)} entries)")
-            out.append(tuple(row))
-        return tuple(out)
+        # JSON pairs become tuples; anything else stays as written, for the message.
+        rows = tuple(tuple(r) if isinstance(r, list) and len(r) == SITES_PER_LAYER else r
+                     for r in rows)
+        _check_table(rows, len(cfgs), f"{src}: \"{field}\"")
+        return rows
 
     fwd, bwd = table("forward", True), table("backward", False)
     n = record.get("n_layers", len(fwd))

@@ -438,8 +438,7 @@ class Transformer(nn.Module):
                         in_axes=(0, nn.broadcast, nn.broadcast), length=cfg.n_layers)
         layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)      # [L]: per-layer bits choice
         if site_choices is None:
-            tables = self.comm.site_tables(cfg.n_layers)         # per-site choice, or None
-            site_choices = None if tables is None else tuple(jnp.asarray(t) for t in tables)
+            site_choices = self.comm.site_tables(cfg.n_layers)   # per-site choice, or None
         elif self.comm.site_policy is None:
             raise ValueError("site_choices index the configs of CommConfig.site_policy, which "
                              "is None")
