@@ -210,8 +210,9 @@ def score_windows(params_stacked, windows, model_cfg, comm, mesh, batch_size: in
     return total, count, np.concatenate(argmaxes)
 
 
-def site_wire_bits(config, n: int, tp: int) -> float:
-    """Wire bits per element of one all-reduce of n elements per rank under `config`.
+def padded_site_wire_bits(config, n: int, tp: int) -> float:
+    """Wire bits per element of one all-reduce of n elements per rank under `config`, padding
+    included (`echo_jax.site_wire_bits` is the same without padding).
 
     n is padded to P segments of whole groups; a group of g values costs g * b / 8 bytes of codes
     plus 2 (sym) or 4 (asym) bytes of fp16 scale / zero-point (echo_jax.quant.
@@ -229,9 +230,10 @@ def site_wire_bits(config, n: int, tp: int) -> float:
 def wire_bits_per_element(model_cfg, comm, tokens_per_pass: int) -> float:
     """Average bits per element on the wire over the 2 L forward all-reduce sites of one pass.
 
-    Each site reduces [B, T, D] per rank, n = tokens_per_pass * D elements (`site_wire_bits`:
-    codes plus scales, padding included). With --early-8bit the first half of the layers use 8
-    bits, with --site-bits every site its policy's config; exact (16-bit) sites count 16. All
+    Each site reduces [B, T, D] per rank, n = tokens_per_pass * D elements
+    (`padded_site_wire_bits`: codes plus scales, padding included). With --early-8bit the
+    first half of the layers use 8 bits, with --site-bits every site its policy's config; exact
+    (16-bit) sites count 16. All
     sites carry equally sized messages, so this is the mean over sites. Without padding it equals
     `CommConfig.wire_bits_per_element` (e.g. 4.25 for 4-bit g = 128 asym).
 
@@ -244,7 +246,7 @@ def wire_bits_per_element(model_cfg, comm, tokens_per_pass: int) -> float:
     """
     n = tokens_per_pass * model_cfg.dim
     sites = comm.site_configs(model_cfg.n_layers)
-    return sum(site_wire_bits(c, n, comm.tp) for c in sites) / len(sites)
+    return sum(padded_site_wire_bits(c, n, comm.tp) for c in sites) / len(sites)
 
 
 def heldout_tokens(tokenizer, cache_dir=None, shakespeare_dir=None, progress=False):
