@@ -120,11 +120,16 @@ def option_costs(options) -> np.ndarray:
 def choose_sites(est, costs, budget: float, start: Optional[Sequence[int]] = None):
     """`echo_jax.calibration.choose_site_configs` (the greedy knapsack; see there), with a
     budget below the cheapest option reported as --budget-bits."""
+    check_budget(costs, budget)
+    return choose_site_configs(est, costs, budget, start)
+
+
+def check_budget(costs, budget: float) -> None:
+    """A ValueError naming --budget-bits when it is below the cheapest option's cost."""
     costs = np.asarray(costs, np.float64)
     if costs.size and float(costs.min()) > budget + 1e-9:
         raise ValueError(f"--budget-bits {budget:g} is below the cheapest option "
                          f"({float(costs.min()):g} bits per element)")
-    return choose_site_configs(est, costs, budget, start)
 
 
 # --------------------------------------------------------------------------------------------
@@ -546,10 +551,7 @@ def run(args) -> dict:
     mesh, mode = make_mesh(CommConfig(tp=args.tp), args.simulate)
     transport = "xla" if mesh is None else args.transport
     options = parse_options(args.options, args.rotation, transport)
-    costs = option_costs(options)
-    if costs.min() > args.budget_bits + 1e-9:
-        raise ValueError(f"--budget-bits {args.budget_bits:g} is below the cheapest option "
-                         f"({costs.min():g} bits per element)")
+    check_budget(option_costs(options), args.budget_bits)  # before the measurements
     windows, source = calibration_windows(tokenizer, args)
     print(f"model: {cfg.name} ({cfg.num_params() / 1e6:.1f}M params, {2 * cfg.n_layers} "
           f"forward sites); P={args.tp}; {mode}; calibration: {len(windows)} windows of "

@@ -1134,7 +1134,7 @@ def beyond_variants(setup: Setup, args, keys: Sequence[str], out_dir: Path):
                                                                    settings)})
             summary = K.summarize_choice(policy, setup.model_cfg.n_layers)
             extra = {"calibration": {"method": stats["method"], "budget_bits": spec["budget"],
-                                     "options": [c for c in rec["options"]],
+                                     "options": list(rec["options"]),
                                      "policy_file": str(path), "chosen": summary,
                                      "measure_seconds": round(measured_s, 2),
                                      "seconds": round(time.perf_counter() - t0, 2), **text}}
