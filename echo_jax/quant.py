@@ -36,21 +36,26 @@ Quantization, asym and asym_naive (Eq. 9 and the zero-aware policy of Sec. 4.3)
       s  = f16_up(max((hi - lo) * f32(1/M), amax * 2^-10))
       r  = 1/s
       zn = -lo * r                             naive zero-point: the grid starts at the minimum
-      e  = min(-lo, hi) * r                    steps by which zero lies inside [lo, hi]
-      w  = clip(2 * e - 1, 0, 1)               zero-aware weight ("asym"); w = 0 for "asym_naive"
-      z  = f16(zn + w * (rne(zn) - zn))
+      z  = f16(rne(zn))   for "asym" when lo < 0 < hi (the group straddles zero)
+      z  = f16(zn)        otherwise, and always for "asym_naive"
       m  = -(z * s)
       code_k = clip(rne((x_k - m) * r), 0, M)
 
-The zero-aware blend. e is how many grid steps zero lies inside the group's range (negative when
-the group lies on one side of zero). A group that straddles zero by at least one step gets an
-integer zero-point (w = 1), so 0 is a grid point and dequantizes to exactly 0. A group on one side
-of zero, or with zero within half a step of its edge, keeps the naive map (w = 0) and spends the
-whole grid on its values. For e in [1/2, 1] the zero-point moves linearly from the naive value to
-the rounded one; rne(zn) only jumps where w = 0, so the zero-point is continuous in the data up to
-e = 1 (beyond it, an integer zero-point steps by whole codes, as any zero-aware map must).
-The floor ``amax * 2^-10`` on the scale keeps |z| <= 1024, where fp16 holds the zero-point to a
-quarter step; it is only active for groups whose range is tiny next to their magnitude.
+The zero-aware policy (the Echo paper Sec. 4.3: "when a group straddles zero we round its
+zero-point to the nearest integer"). Every group with lo < 0 < hi gets an integer zero-point, so
+code z dequantizes to z * s - z * s = 0 exactly, however close zero is to an edge of the range.
+That is the group the policy exists for: one large value sets the step, every other value is near
+zero, and under the naive map those values would dequantize to about the group minimum instead of
+to 0. There 0 <= zn <= M (as -lo <= hi - lo <= M * s), so z is an integer in [0, M], exact in fp16,
+and encoding x = 0 gives rne(z * s * r) = z. A group on one side of zero (lo >= 0 or hi <= 0,
+signed zeros compare equal to 0) keeps the naive map and spends the whole grid on its values.
+No blend is needed for continuity: as lo rises to 0 the naive zn falls to 0 = rne(zn), so the two
+maps meet at lo = 0; as hi falls to 0, zn = -lo * r is within the fp16 rounding of s below M
+(zn >= M / (1 + 2^-10) for a normal fp16 scale), so the integer zero-point moves the grid by at
+most M * 2^-10 steps (0.015 at 4 bits, 0.25 at 8). Inside the straddle, rne(zn) steps by whole codes, as any map with an exact zero must.
+The floor ``amax * 2^-10`` on the scale keeps |z| <= 1024, where fp16 holds the naive zero-point to
+a quarter step; it is only active for groups whose range is tiny next to their magnitude (never in
+a straddling group, whose range is at least amax).
 
 Non-finite data and fp16 range
 ------------------------------
@@ -60,8 +65,12 @@ never silent finite garbage. Scales below fp16's normal range are kept as fp16 s
 up, so still no clipping); the backward pass of `echo_jax.tp` rescales gradients by a power of two
 (the Echo paper Sec. 5.4) so that they do not get there.
 
-Error bounds (finite groups): |x_hat - x| <= s/2 for sym and asym_naive, <= s for the zero-aware
-asym map (rounding the zero-point can clip half a step at one end), plus the fp32 rounding of x - m.
+Error bounds (finite groups): |x_hat - x| <= s/2 for every policy, plus the fp32 rounding of
+(x - m) * r. Inside the grid this is rounding to the nearest code. At the ends, the grid
+[-z * s, (M - z) * s] misses [lo, hi] by at most |z - zn| * s <= s/2 at one end (rne for the
+zero-aware map; the fp16 rounding of zn, at most a quarter step, for the naive one), and a
+clipped value lands on the end code, within that distance. Under the zero-aware policy the values
+of a straddling group with |x| <= s/2 dequantize to within s/2 of themselves, and 0 to exactly 0.
 
 Why products, never divisions or unfused mul-adds: XLA rewrites ``x / s`` into ``x * (1/s)`` and
 fuses ``a * b + c`` into one fused multiply-add on some backends. The formulas only use ``1/s``
@@ -232,10 +241,8 @@ def quantize_groups(x, bits: int, policy: str):
         s = jnp.where(constant, f16_round(lo), f16_round_up(s_raw))
         r = _reciprocal(s)
         zn = -lo * r
-        if policy == "asym":
-            e = jnp.minimum(-lo, hi) * r
-            w = jnp.clip(e * np.float32(2) - np.float32(1), 0.0, 1.0)
-            z = zn + _no_fma(w * (jnp.round(zn) - zn))
+        if policy == "asym":  # zero-aware: an integer zero-point whenever lo < 0 < hi
+            z = jnp.where((lo < 0) & (hi > 0), jnp.round(zn), zn)
         else:
             z = zn
         zf = jnp.where(constant, np.float32(-1), f16_round(z))

@@ -273,16 +273,11 @@ ECHO_HD QuantParams make_params(const GroupStats& st, int bits, int policy) {
   const float s = f16_to_f32(s16);
   const float r = reciprocal(s);
   const float zn = mul_rn(-lo, r);  // naive zero-point: the grid starts at the minimum
-  float z = zn;
-  if (policy == kPolicyAsym) {
-    // Zero-aware blend (quant.py docstring): e = min(-lo, hi) * r is how many grid steps zero
-    // lies inside [lo, hi]; w = clip(2e - 1, 0, 1) (2e is exact, so contraction could not change
-    // it either); z = zn + w * (rne(zn) - zn), the product rounded before the sum (`_no_fma`).
-    const float e = mul_rn(min_f(-lo, hi), r);
-    const float w = clip_f(sub_rn(mul_rn(e, 2.0f), 1.0f), 0.0f, 1.0f);
-    const float step = sub_rn(rne(zn), zn);
-    z = add_rn(zn, mul_rn(w, step));
-  }
+  // Zero-aware policy (quant.py docstring): every group that straddles zero gets an integer
+  // zero-point, so 0 is a grid point however close it lies to an edge of [lo, hi]. Signed zeros
+  // compare equal to 0, as in the reference's `lo < 0` / `hi > 0`.
+  const bool straddles = lo < 0.0f && hi > 0.0f;
+  const float z = (policy == kPolicyAsym && straddles) ? rne(zn) : zn;
   const uint16_t z16 = constant ? kF16MinusOne : f32_to_f16(z);
   const float zf = f16_to_f32(z16);
   p.s = s;

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import echo_jax as ej
 from echo_jax import quant
+from np_reference import element_error_bound, max_scale
 from conftest import make_mesh, put
 
 POLICIES = ("asym", "sym", "asym_naive")
@@ -44,24 +45,26 @@ def run_vmap(x, cfg, state=None):
 
 
 def error_bound(x, cfg):
-    """Per-element bound on |echo - exact sum| from the scales the protocol uses (Eq. 1)."""
+    """Per-element bound on |echo - exact sum| (Eq. 1), from the data alone (NumPy float64).
+
+    Each quantization errs by at most half a step (quant.py's docstring), and each step is at most
+    what Eq. 8 / Eq. 9 allow for its group (`np_reference.max_scale`), never the code's own scales.
+    """
     nr = x.shape[0]
     flat = np.asarray(x, np.float32).reshape(nr, -1)
     n = flat.shape[1]
     gs, padded = ej.segment_layout(n, nr, cfg.group_size)
     segs = np.pad(flat, ((0, 0), (0, padded - n))).reshape(nr, nr, gs, cfg.group_size)
-    c = 1.0 if cfg.policy == "asym" else 0.5
-    _, params = quant.quantize_groups(jnp.asarray(segs), cfg.bits, cfg.policy)
-    s_in = np.abs(np.asarray(params[..., 0], np.float32))            # [rank, owner, group]
-    exact = segs.sum(0)                                             # [owner, group, g]
-    # Push errors of the P-1 copies that crossed a link, then the requantized sum's error.
-    push = sum(np.where(np.arange(nr)[:, None] == r, 0.0, s_in[r]) for r in range(nr))
-    approx_sum = exact + c * push[..., None]
-    amax = np.maximum(np.abs(exact), np.abs(approx_sum)).max(-1)
-    rng = exact.max(-1) - exact.min(-1) + 2 * c * push
+    s_in = max_scale(segs, cfg.bits, cfg.policy)                    # [rank, owner, group]
+    exact = segs.astype(np.float64).sum(0)                          # [owner, group, g]
+    # Push errors of the P-1 copies that crossed a link (the owner's own copy is exact), then the
+    # requantized sum's error; the sum's range is at most the exact range widened by the push.
+    push = 0.5 * sum(np.where(np.arange(nr)[:, None] == r, 0.0, s_in[r]) for r in range(nr))
+    amax = np.abs(exact).max(-1) + push
+    rng = exact.max(-1) - exact.min(-1) + 2 * push
     s_sum = (rng / (2 ** cfg.bits - 1) if cfg.policy != "sym" else amax / (2 ** (cfg.bits - 1) - 1))
     s_sum = np.maximum(s_sum, amax * 2.0 ** -10) * (1 + 2 ** -9)
-    bound = c * push + c * s_sum * (2 if cfg.policy == "asym" else 1) + 1e-6 * (1 + amax)
+    bound = push + 0.5 * s_sum + 1e-6 * (1 + amax)
     return np.broadcast_to(bound[..., None], exact.shape).reshape(-1)[:n]
 
 
@@ -343,3 +346,48 @@ def test_size_gate_under_jit_grad_scan_and_typed_shard_map():
     assert "all-to-all" not in hlo and "custom-call" not in hlo
     np.testing.assert_array_equal(np.asarray(f(put(x, mesh, P("tp")))),
                                   np.asarray(_psum_shard_map(x))[0])
+
+
+def test_outlier_token_error_bound_zero_aware():
+    """Massive-activation case: P = 3 contributions [512, 576] of N(0, 1), one channel x20 on every
+    rank and +300 at one element of token 0 on rank 0; 4-bit g = 128 asym, transport "xla" (vmap).
+
+    Derived bound, per element k of owner o's segment (NumPy float64, from the data alone):
+      push:   b1_k = sum_{i != o} e(x_{i,k})    (the owner's own copy is not quantized)
+      reduce: b2_k = e(S_k) with |S_k| <= |y_k| + b1_k, S's range within y's range widened by b1
+    where e(v) = min(s/2, |v|) in a group with lo < 0 < hi (zero is a grid point under the
+    zero-aware policy, Sec. 4.3) and s/2 otherwise, s <= Eq. 9's scale rounded up to fp16.
+    The naive zero-point sends the near-zero values of the outlier's group to about its minimum,
+    which breaks the |v| part of the bound (error norm of token 0: ~215 before the fix, ~49 after).
+    """
+    nr, tokens, dim, g = 3, 512, 576, 128
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((nr, tokens, dim)).astype(np.float32)
+    x[:, :, 37] *= 20.0
+    x[0, 0, 5] += 300.0
+    cfg = ej.EchoConfig(bits=4, group_size=g, policy="asym", transport="xla")
+    y = np.asarray(run_vmap(jnp.asarray(x), cfg))
+    assert all(np.array_equal(y[0], y[r]) for r in range(nr))
+    exact = x.astype(np.float64).sum(0)
+    err = np.abs(y[0].astype(np.float64) - exact)
+
+    # Wire layout: flattened, P segments of whole groups (no padding here), segment o owned by o.
+    seg = tokens * dim // nr
+    groups = x.reshape(nr, nr, seg // g, g)                          # [rank, owner, group, g]
+    e1 = element_error_bound(groups, 4, "asym")                      # per rank's copy
+    own = np.arange(nr)[:, None, None, None] == np.arange(nr)[None, :, None, None]
+    b1 = np.where(own, 0.0, e1).sum(0)                               # [owner, group, g]
+    ysum = exact.reshape(nr, seg // g, g)
+    lo_s, hi_s = (ysum - b1).min(-1), (ysum + b1).max(-1)
+    s2 = max_scale(np.stack([lo_s, hi_s], -1), 4, "asym")            # range of S at most this
+    surely_straddles = ((ysum + b1).min(-1) < 0) & ((ysum - b1).max(-1) > 0)
+    b2 = np.where(surely_straddles[..., None], np.minimum(0.5 * s2[..., None], np.abs(ysum) + b1),
+                  0.5 * s2[..., None])
+    bound = (b1 + b2 + 1e-5 * (1 + np.abs(ysum))).reshape(tokens, dim)
+    assert np.all(err <= bound), float(np.max(err - bound))
+    # Token 0 (the outlier's token) against the bound's own norm, and against the median token.
+    norm0 = np.linalg.norm(err[0])
+    assert norm0 <= np.linalg.norm(bound[0])
+    assert norm0 < 80.0, norm0                 # the naive-map behaviour gave ~215
+    med = np.median(np.linalg.norm(err, axis=1))
+    assert 5.0 < med < 20.0, med

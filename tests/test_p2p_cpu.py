@@ -91,6 +91,13 @@ def edge_groups(g):
             np.linspace(0, 1e-6, g), np.linspace(-3e-8, 5e-8, g), np.linspace(6e4, 6.5e4, g),
             np.linspace(-1e9, 1e9, g), np.linspace(1000.0, 1000.001, g),
             np.where(np.arange(g) % 2, 1.0, -0.0)]
+    # Outlier groups that straddle zero by a fraction of a step (the zero-aware policy's case):
+    # one value of +-300, the rest near zero, and the same with zero at an exact grid fraction.
+    for sign in (1.0, -1.0):
+        out = rng.uniform(-0.5, 0.5, g)
+        out[g // 3] = sign * 300.0
+        base.append(out)
+        base.append(np.where(np.arange(g) == 0, sign * 15.0, -sign * 0.49))
     special = []
     for v in (np.nan, np.inf, -np.inf):
         s = rng.standard_normal(g)

@@ -54,7 +54,10 @@ def test_quantize_kernels_match_reference(cuda, bits, policy, g, dtype):
     x = jax.random.normal(key, (4096 * g,)) * jnp.repeat(
         10.0 ** jax.random.uniform(key, (4096,), minval=-6, maxval=4), g)
     x = x.at[:g].set(0.0).at[g:2 * g].set(1.5).at[2 * g + 3].set(jnp.nan)
-    x = x.at[3 * g:4 * g].add(100.0).astype(dtype)
+    x = x.at[3 * g:4 * g].add(100.0)
+    # Straddling outlier groups, zero a fraction of a step inside (the zero-aware policy's case).
+    x = x.at[4 * g:6 * g].multiply(1e-3).at[4 * g + 1].set(300.0).at[5 * g + 2].set(-300.0)
+    x = x.astype(dtype)
     packed, params = jax.jit(lambda v: cuda.quantize(v, cfg))(x)
     ref_packed, ref_params = jax.jit(
         lambda v: quant.quantize_groups(v.reshape(-1, g), bits, policy))(x)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from echo_jax import quant
+from np_reference import element_error_bound, max_scale, straddles
 
 POLICIES = ("asym", "sym", "asym_naive")
 
@@ -37,10 +38,13 @@ def test_roundtrip_error_within_step(bits, policy, dist):
         x = (rng.standard_t(2, x.shape) * 10).astype(np.float32)
     xh, _, params = roundtrip(x, bits, policy)
     s = step_of(params)
+    # The scale is no larger than Eq. 8 / Eq. 9 allow (float64, rounded up to fp16): a coarser
+    # grid would pass a bound written in the code's own scale.
+    assert np.all(s[..., 0] <= max_scale(x, bits, policy)), float(np.max(s[..., 0] / max_scale(x, bits, policy)))
     err = np.abs(xh - x)
-    # Half a step for sym and naive asym (the scale is rounded up: no clipping); one step for
-    # the zero-aware map (rounding the zero-point may clip half a step at one end).
-    bound = (0.5 if policy != "asym" else 1.0) * s * (1 + 2 ** -10) + np.abs(x) * 2 ** -22
+    # Half a step for every policy (quant.py's error bound), from the independent scale bound;
+    # the zero-aware map also keeps every value of a straddling group within |x| of itself.
+    bound = element_error_bound(x, bits, policy)
     assert np.all(err <= bound), float(np.max(err / s))
     assert np.all(np.isfinite(xh))
 
@@ -53,7 +57,8 @@ def test_roundtrip_property(values, policy, bits):
     x = np.asarray(values, np.float32)[None]
     xh, packed, params = roundtrip(x, bits, policy)
     s = float(step_of(params)[0, 0])
-    tol = (0.5 if policy != "asym" else 1.0) * s * (1 + 2 ** -10) + np.abs(x) * 2 ** -22
+    assert s <= float(max_scale(x, bits, policy)[0])
+    tol = element_error_bound(x, bits, policy)
     if x.min() == x.max():  # constant group: exact when the value is an fp16 number
         assert np.all(xh == np.float32(np.float16(x[0, 0])))
     else:
@@ -83,16 +88,74 @@ def test_zero_aware_asym_keeps_zero_exact():
     assert np.any(xn[:, ::3] != 0.0)  # the naive map puts zero between two codes
 
 
-def test_zero_aware_blend_is_continuous():
-    # A group whose minimum moves from just above zero to 1.3 steps below it: the zero-point
-    # moves continuously from the naive value to the integer one.
+def outlier_groups(bits, outlier, near_zero, count=64, g=128, seed=0):
+    """Groups of one outlier and near-zero values, zero a fraction of a step inside the range."""
+    rng = np.random.default_rng(seed)
+    x = (rng.uniform(-1, 1, (count, g)) * near_zero).astype(np.float32)
+    x[:, 0] = 0.0
+    x[np.arange(count), 1 + np.arange(count) % (g - 1)] = outlier
+    return x
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_zero_aware_outlier_group_keeps_zero_and_near_zero_values(bits, sign):
+    # One value of 300 (or -300) and the rest within +-near_zero: the step is about 300 / M, so zero
+    # lies less than half a step inside the range (the group the policy exists for, Sec. 4.3).
+    levels = 2 ** bits - 1
+    near_zero = 0.4 * (300.0 / levels) / 2  # 0.4 of half a step
+    x = outlier_groups(bits, sign * 300.0, near_zero) * np.float32(1)
+    assert np.all(straddles(x))
+    s = max_scale(x, bits, "asym")
+    assert np.all(near_zero < 0.5 * s)          # zero within half a step of an edge
+    xh, _, params = roundtrip(x, bits, "asym")
+    assert np.all(xh[:, 0] == 0.0)              # 0 dequantizes to exactly 0
+    z = np.asarray(params[..., 1], np.float32)
+    assert np.all(z == np.round(z))             # an integer zero-point
+    small = np.abs(x) <= near_zero
+    err = np.abs(xh - x)
+    # Near-zero values go to 0: the error of each is |x| <= s/2, independent of the outlier.
+    assert np.all(err[small] <= np.abs(x[small]) + 1e-6)
+    assert np.all(err <= element_error_bound(x, bits, "asym"))
+    # The naive map puts them near the group's minimum (maximum) instead: the policy matters.
+    xn, _, _ = roundtrip(x, bits, "asym_naive")
+    assert np.any(xn[:, 0] != 0.0)
+    assert np.abs(xn - x)[small].mean() > 1.5 * err[small].mean()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_zero_aware_zero_point_is_integer_exactly_when_straddling(bits):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((400, 64)).astype(np.float32)
+    x += rng.uniform(-4, 4, (400, 1)).astype(np.float32)  # some groups on one side of zero
+    x[::7] = np.abs(x[::7])                                 # lo >= 0
+    x[1::7, 3] = -1e-3                                      # zero just inside the lower edge
+    x[2::7] = -np.abs(x[2::7])                              # hi <= 0
+    x[3::7, 5] = 1e-3                                       # zero just inside the upper edge
+    _, params = quant.quantize_groups(jnp.asarray(x), bits, "asym")
+    z = np.asarray(params[..., 1], np.float64)
+    across = straddles(x)
+    assert across.any() and (~across).any()
+    assert np.all(z[across] == np.round(z[across]))
+    # One-sided groups keep the naive map: the zero-point where the grid starts at the minimum.
+    _, pn = quant.quantize_groups(jnp.asarray(x[~across]), bits, "asym_naive")
+    np.testing.assert_array_equal(np.asarray(params)[~across], np.asarray(pn))
+
+
+@pytest.mark.parametrize("edge", ["lo", "hi"])
+def test_zero_aware_map_meets_the_naive_map_at_the_edges(edge):
+    # Zero leaving the range through its lower edge (lo rises through 0) or its upper edge (hi
+    # falls through 0): the integer zero-point of the straddling side and the naive one of the
+    # one-sided side meet there (quant.py's docstring: no blend needed), so z moves by a small
+    # fraction of a step per small move of the data, never by a jump.
     zs = []
-    for lo in np.linspace(0.05, -0.13, 81, dtype=np.float32):
-        x = np.linspace(lo, 1.5, 128, dtype=np.float32)[None]
-        _, params = quant.quantize_groups(jnp.asarray(x), 4, "asym")
-        zs.append(float(params[0, 0, 1]) if params.ndim == 3 else float(params[0, 1]))
-    assert max(abs(a - b) for a, b in zip(zs, zs[1:])) < 0.1
-    assert zs[-1] == round(zs[-1])  # fully inside: integer zero-point
+    for t in np.linspace(-0.2, 0.2, 81, dtype=np.float32):
+        x = np.linspace(t, 30.0, 128, dtype=np.float32) if edge == "lo" else \
+            np.linspace(-30.0, -t, 128, dtype=np.float32)
+        _, params = quant.quantize_groups(jnp.asarray(x[None]), 4, "asym")
+        zs.append(float(params[0, 1]))
+    assert max(abs(a - b) for a, b in zip(zs, zs[1:])) < 0.05
+    assert zs[0] == round(zs[0]) and zs[-1] != round(zs[-1])  # straddling, then one-sided
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -121,7 +184,7 @@ def test_tiny_magnitudes_use_subnormal_scales(policy):
     xh, _, params = roundtrip(x, 8, policy)
     s = step_of(params)
     assert np.all(s > 0)
-    assert np.all(np.abs(xh - x) <= (0.5 if policy != "asym" else 1.0) * s * 1.001 + 1e-12)
+    assert np.all(np.abs(xh - x) <= 0.5 * s * 1.001 + 1e-12)
 
 
 def test_sym_never_uses_most_negative_code():
