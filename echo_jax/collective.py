@@ -35,6 +35,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from echo_jax import compensator as comp
@@ -77,8 +78,11 @@ def _single_axis(axis_name, where):
             raise ValueError(f"{where}: reduces over exactly one axis name, got {axis_name!r}; "
                              "reduce over a flattened axis or call it once per axis")
         axis_name = axis_name[0]
-    if not isinstance(axis_name, str) and not callable(getattr(axis_name, "__hash__", None)):
-        raise ValueError(f"{where}: axis_name must be a string, got {axis_name!r}")
+    if isinstance(axis_name, (int, np.integer)) or getattr(axis_name, "__hash__", None) is None:
+        # lax.psum reads an integer as a positional axis of the array; echo_psum reduces over a
+        # named mesh or vmap axis only, so an integer is a mistake here, not an axis.
+        raise ValueError(f"{where}: axis_name must be the name of a mesh or vmap axis (e.g. "
+                         f"'tp'), got {axis_name!r}")
     return axis_name
 
 
@@ -142,7 +146,7 @@ def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
 def _allreduce_f32(x_flat32, axis, num_ranks, config):
-    return _dispatch(config, axis)(x_flat32, axis, num_ranks, config)
+    return _dispatch(config, axis, x_flat32.shape[0])(x_flat32, axis, num_ranks, config)
 
 
 @_allreduce_f32.defjvp
@@ -152,16 +156,24 @@ def _allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
     return _allreduce_f32(x, axis, num_ranks, config), lax.psum(t, axis)
 
 
-def _dispatch(config: EchoConfig, axis=None):
-    transport = resolve_transport(config, axis)
+def _dispatch(config: EchoConfig, axis=None, num_elements=None):
+    transport = resolve_transport(config, axis, num_elements)
     if transport == "xla":
         return xla_allreduce
     from echo_jax import p2p  # the custom call; imported lazily
     return p2p.p2p_allreduce
 
 
-def resolve_transport(config: EchoConfig, axis=None) -> str:
-    """The transport a call with this config runs here ("xla" or "p2p")."""
+def resolve_transport(config: EchoConfig, axis=None, num_elements=None) -> str:
+    """The transport a call with this config runs here ("xla" or "p2p").
+
+    Args:
+      config: the call's EchoConfig.
+      axis: the axis to reduce over, if known.
+      num_elements: elements of one rank's flat contribution, if known: "auto" then also checks
+        the custom call's size limits (group size, ranks, segment length) and falls back to
+        "xla" beyond them.
+    """
     if os.environ.get(FORCE_XLA_ENV, "") not in ("", "0"):
         return "xla"
     if config.transport == "xla":
@@ -175,7 +187,7 @@ def resolve_transport(config: EchoConfig, axis=None) -> str:
                 f"compiled extension), which is not available here: {err}. Use transport='auto' "
                 "or 'xla'.") from None
         return "xla"
-    return p2p.choose(config, axis)
+    return p2p.choose(config, axis, num_elements)
 
 
 def power_of_two_scale(x32, axis):
@@ -184,6 +196,9 @@ def power_of_two_scale(x32, axis):
     One scalar `pmax` across the group (the Echo paper Sec. 5.4); 1 when the max is 0 or not
     finite. Multiplying and dividing by it is exact.
     """
+    # The factor is a constant of the derivative (a power of two chosen from the data): take it
+    # from a stopped value, so that grad / jvp never differentiate the pmax (no rule for it).
+    x32 = lax.stop_gradient(x32)
     local = jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0)
     amax = lax.pmax(local, axis)
     _, e = jnp.frexp(amax)
@@ -217,7 +232,7 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     # its state stays in the original basis; the fused custom call would see rotated values.
     rotated = config.rotation == "hadamard"
     if (state is not None and not rescale and not rotated
-            and resolve_transport(config, axis) == "p2p"):
+            and resolve_transport(config, axis, x32.shape[0]) == "p2p"):
         # Fused compensation (Sec. 5.3): the apply step runs in the call's entry pass and the
         # state update inside the call; m1/m2 are updated in place.
         y32, m1, m2 = _fused_allreduce_f32(x32, m.m1, m.m2, axis, num_ranks, config)
@@ -237,7 +252,10 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     y = y32.reshape(shape).astype(dtype)
     if state is None:
         return y, None
-    new = comp.update_state(x32, lax.stop_gradient(y32), num_ranks, m, k)
+    new = comp.update_state(x32, y32, num_ranks, m, k)
+    # The state carries no derivative on any path (the fused call's rule too): it is feedback
+    # for the next call, not a function of x to differentiate.
+    new = jax.tree.map(lax.stop_gradient, new)
     return y, comp.CompensatorState(new.m1.reshape(shape), new.m2.reshape(shape))
 
 

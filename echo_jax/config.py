@@ -7,6 +7,10 @@ field of a Flax module. Every bad value raises `ValueError` naming the field and
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+
+import numpy as np
 
 POLICIES = ("asym", "sym", "asym_naive")
 TRANSPORTS = ("auto", "p2p", "xla")
@@ -60,10 +64,17 @@ class EchoConfig:
     rotation: str = "none"
 
     def __post_init__(self):
-        if isinstance(self.bits, bool) or self.bits not in BITS:
+        # Numbers arrive as Python or NumPy scalars (np.int64(64), np.float32(0.5), 128.0):
+        # accept exactly what int() / float() represent without loss, store the Python value,
+        # and reject the rest (bool, strings, 128.5) with a message naming the field.
+        for name in ("bits", "group_size", "min_bytes"):
+            object.__setattr__(self, name, _as_int(name, getattr(self, name)))
+        for name in ("eta", "blend", "beta1", "beta2"):
+            object.__setattr__(self, name, _as_float(name, getattr(self, name)))
+        if self.bits not in BITS:
             raise ValueError(f"EchoConfig.bits must be 4 or 8, got {self.bits!r}")
         g = self.group_size
-        if isinstance(g, bool) or not isinstance(g, int) or g <= 0:
+        if g <= 0:
             raise ValueError(f"EchoConfig.group_size must be a positive int, got {g!r}")
         if self.bits == 4 and g % 2:
             raise ValueError(
@@ -72,17 +83,17 @@ class EchoConfig:
             raise ValueError(f"EchoConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("eta", "blend"):
             v = getattr(self, name)
-            if not _is_real(v) or not 0.0 <= v <= 1.0:
+            if not 0.0 <= v <= 1.0:
                 raise ValueError(f"EchoConfig.{name} must be in [0, 1], got {v!r}")
         for name in ("beta1", "beta2"):
             v = getattr(self, name)
-            if not _is_real(v) or not 0.0 <= v < 1.0:
+            if not 0.0 <= v < 1.0:
                 raise ValueError(f"EchoConfig.{name} must be in [0, 1), got {v!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"EchoConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
         m = self.min_bytes
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        if m < 0:
             raise ValueError(f"EchoConfig.min_bytes must be an int >= 0, got {m!r}")
         if not isinstance(self.rotation, str) or self.rotation not in ROTATIONS:
             raise ValueError(
@@ -123,5 +134,23 @@ class EchoConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _is_real(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+def _as_int(name: str, v) -> int:
+    """An integral number (int, NumPy integer, or a float with an integer value) as an int."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Integral, numbers.Real)):
+        raise ValueError(f"EchoConfig.{name} must be an int, got {v!r}")
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    f = float(v)
+    if not math.isfinite(f) or f != int(f):
+        raise ValueError(f"EchoConfig.{name} must be an int, got {v!r}")
+    return int(f)
+
+
+def _as_float(name: str, v) -> float:
+    """A real number (int, float or NumPy scalar, not bool, not NaN) as a Python float."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+        raise ValueError(f"EchoConfig.{name} must be a real number, got {v!r}")
+    f = float(v)
+    if f != f:
+        raise ValueError(f"EchoConfig.{name} must be a real number, got {v!r}")
+    return f

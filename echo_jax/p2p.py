@@ -171,8 +171,43 @@ def _on_gpu() -> bool:
     return _current_platform(jax.sharding.get_abstract_mesh()) in ("gpu", "cuda")
 
 
-def choose(config: EchoConfig, axis_name=None) -> str:
+def limit_reason(config: EchoConfig, num_elements: int, num_ranks: int) -> str | None:
+    """Why the custom call's size limits rule this call out (None when it is within them).
+
+    The one list of the limits: `_check_call` raises with it, and "auto" falls back to "xla" on
+    it (so a call that "xla" can run never fails under "auto").
+
+    Args:
+      config: the call's EchoConfig (its group size).
+      num_elements: elements of one rank's flat contribution.
+      num_ranks: the size P of the reduced axis.
+    """
+    max_ranks = MAX_RANKS
+    if _on_gpu():
+        from echo_jax import p2p_cuda
+        max_ranks = p2p_cuda.MAX_RANKS
+    if not 1 <= num_ranks <= max_ranks:
+        return f"the custom call supports 1..{max_ranks} ranks, the axis has {num_ranks}"
+    g = config.group_size
+    if g > MAX_GROUP_SIZE:
+        return (f"EchoConfig.group_size={g} exceeds the custom call's limit of "
+                f"{MAX_GROUP_SIZE}")
+    seg_groups = -(-(-(-max(num_elements, 1) // g)) // num_ranks)
+    if seg_groups * g > MAX_SEGMENT_ELEMS:
+        return (f"{num_elements} elements over {num_ranks} ranks make segments of "
+                f"{seg_groups * g} elements, above the custom call's limit of 2^31-1; split the "
+                "all-reduce")
+    return None
+
+
+def choose(config: EchoConfig, axis_name=None, num_elements=None) -> str:
     """The transport a call runs: "p2p" where the custom call can run, else "xla".
+
+    Args:
+      config: the call's EchoConfig.
+      axis_name: the axis to reduce over, if known.
+      num_elements: elements of one rank's flat contribution, if known; with the axis it also
+        checks the custom call's size limits (`limit_reason`).
 
     Raises:
       ValueError: config.transport == "p2p" but the custom call cannot run here (says why).
@@ -180,6 +215,8 @@ def choose(config: EchoConfig, axis_name=None) -> str:
     if config.transport == "xla":
         return "xla"
     reason = unavailable_reason(axis_name)
+    if reason is None and axis_name is not None and num_elements is not None:
+        reason = limit_reason(config, int(num_elements), lax.axis_size(axis_name))
     if reason is None:
         return "p2p"
     if config.transport == "p2p":
@@ -268,19 +305,11 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
                          f"over a mesh with an axis {axis!r}") from None
     if size != num_ranks:
         raise ValueError(f"{where}: num_ranks={num_ranks} but axis {axis!r} has size {size}")
-    if not 1 <= num_ranks <= MAX_RANKS:
-        raise ValueError(f"{where}: the custom call supports 1..{MAX_RANKS} ranks, axis {axis!r} "
-                         f"has {num_ranks}; use transport='xla'")
-    if config.group_size > MAX_GROUP_SIZE:
-        raise ValueError(f"{where}: EchoConfig.group_size={config.group_size} exceeds the custom "
-                         f"call's limit of {MAX_GROUP_SIZE}")
     n = shape[0]
-    groups = -(-max(n, 1) // config.group_size)
-    seg_groups = -(-groups // num_ranks)
-    if seg_groups * config.group_size > MAX_SEGMENT_ELEMS:
-        raise ValueError(f"{where}: {n} elements over {num_ranks} ranks make segments of "
-                         f"{seg_groups * config.group_size} elements, above the custom call's "
-                         f"limit of 2^31-1; split the all-reduce")
+    reason = limit_reason(config, n, num_ranks)
+    if reason is not None:
+        raise ValueError(f"{where}: {reason} (axis {axis!r}); use transport='xla'")
+    seg_groups = -(-(-(-max(n, 1) // config.group_size)) // num_ranks)
     return dict(num_ranks=num_ranks, bits=int(config.bits), group_size=int(config.group_size),
                 policy=POLICY_CODES[config.policy], segment_groups=int(seg_groups),
                 site=next(_sites), timeout_ms=_timeout_ms(),
@@ -288,9 +317,11 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
                 else -1)
 
 
-def _resolve(where, axis, config):
+def _resolve(where, axis, config, x_flat32, num_ranks):
     """None when the custom call runs; otherwise the reason (for the 'auto' fallback)."""
     reason = unavailable_reason(axis)
+    if reason is None and isinstance(config, EchoConfig) and jnp.ndim(x_flat32) == 1:
+        reason = limit_reason(config, int(jnp.shape(x_flat32)[0]), int(num_ranks))
     if reason is not None and config.transport == "p2p":
         raise ValueError(f"{where}: EchoConfig.transport='p2p' cannot run here: {reason}. Use "
                          "transport='auto' (falls back to 'xla') or transport='xla'.")
@@ -313,7 +344,7 @@ def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
       fp32 [n], identical on every rank (typed like lax.psum's result).
     """
     where = "p2p_allreduce"
-    if _resolve(where, axis, config) is not None:
+    if _resolve(where, axis, config, x_flat32, num_ranks) is not None:
         from echo_jax.collective import xla_allreduce
         return xla_allreduce(x_flat32, axis, num_ranks, config)
     if _on_gpu():
@@ -342,7 +373,7 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     """
     where = "p2p_allreduce_compensated"
     k = comp.Coefficients.from_config(config)
-    if _resolve(where, axis, config) is not None:
+    if _resolve(where, axis, config, x_flat32, num_ranks) is not None:
         from echo_jax.collective import xla_allreduce
         state = comp.CompensatorState(m1_flat, m2_flat)
         x_prime = comp.apply_correction(x_flat32, state, k)
@@ -375,6 +406,6 @@ def registry_stats() -> dict:
     return dict(_ffi.registry_stats()) if _ffi is not None else {}
 
 
-__all__ = ["choose", "unavailable_reason", "available_platforms", "p2p_allreduce",
+__all__ = ["choose", "unavailable_reason", "limit_reason", "available_platforms", "p2p_allreduce",
            "p2p_allreduce_compensated", "debug_absent_rank", "registry_stats", "TIMEOUT_ENV",
            "POLICY_CODES"]

@@ -17,7 +17,7 @@ def test_defaults_match_the_paper():
 
 @pytest.mark.parametrize("field,value", [
     ("bits", 3), ("bits", 16), ("bits", True), ("group_size", 0), ("group_size", -4),
-    ("group_size", 127), ("group_size", 12.0), ("policy", "fp8"), ("eta", 1.5), ("eta", -0.1),
+    ("group_size", 127), ("group_size", 12.5), ("policy", "fp8"), ("eta", 1.5), ("eta", -0.1),
     ("blend", 2.0), ("beta1", 1.0), ("beta2", -0.5), ("eta", float("nan")),
     ("transport", "nccl"), ("min_bytes", -1), ("min_bytes", 1.5), ("min_bytes", True),
     ("rotation", "walsh"), ("rotation", None), ("rotation", "Hadamard"),

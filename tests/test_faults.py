@@ -1,0 +1,166 @@
+"""Bad input, transforms and faults: what echo_psum does when things go wrong (README "Failure
+behaviour"). Each test here failed on the code before its fix, or pins a behaviour a sweep of
+bad configs, inputs and transforms found correct and that no other test held."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import echo_jax as ej
+from echo_jax import p2p
+from conftest import make_mesh
+
+TRANSPORTS = ("xla", "p2p")
+
+
+def shard_map_call(fn, nranks=4, out_specs=P()):
+    mesh = make_mesh((nranks,), ("tp",))
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("tp"), out_specs=out_specs))
+
+
+# ---------------------------------------------------------------------------------- transforms
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_grad_and_jvp_with_rescale(transport, rotation):
+    # rescale=True takes its power of two from a pmax, which has no differentiation rule: the
+    # factor must be a constant of the derivative. The derivative is psum's (straight-through),
+    # so the reference is jax.grad of the same loss with lax.psum.
+    nranks = 4
+    cfg = ej.EchoConfig(transport=transport, rotation=rotation)
+
+    def loss(v):
+        return jnp.sum(ej.echo_psum(v, "tp", config=cfg, rescale=True) * jnp.arange(512.0))
+
+    def exact_loss(v):
+        return jnp.sum(jax.lax.psum(v, "tp") * jnp.arange(512.0))
+
+    x = jnp.ones((nranks * 512,), jnp.float32)
+    g = shard_map_call(jax.grad(loss), nranks, out_specs=P("tp"))(x)
+    ref = shard_map_call(jax.grad(exact_loss), nranks, out_specs=P("tp"))(x)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(ref))
+    assert np.any(np.asarray(ref) != 0)
+
+    def fwd(v):
+        return jax.jvp(lambda u: ej.echo_psum(u, "tp", config=cfg, rescale=True), (v,),
+                       (jnp.full_like(v, 0.5),))[1]
+
+    t = shard_map_call(fwd, nranks)(x)
+    np.testing.assert_array_equal(np.asarray(t), np.full((512,), 0.5 * nranks, np.float32))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+@pytest.mark.parametrize("rescale", [False, True])
+def test_state_carries_no_derivative_on_every_path(transport, rotation, rescale):
+    # The returned state is feedback for the next call, not a function of x to differentiate:
+    # d sum(new_state.m1) / dx is 0 whether the update runs fused in the custom call (p2p,
+    # unrotated, no rescale) or in JAX around the transport (every other path). Before, the xla
+    # path gave 1 - beta1 = 0.3 per element and the fused call 0.
+    nranks = 4
+    cfg = ej.EchoConfig(transport=transport, rotation=rotation)
+
+    def state_loss(v):
+        _, s = ej.echo_psum(v, "tp", config=cfg, state=ej.init_state(v), rescale=rescale)
+        return jnp.sum(s.m1) + jnp.sum(s.m2)
+
+    def out_loss(v):
+        y, _ = ej.echo_psum(v, "tp", config=cfg, state=ej.init_state(v), rescale=rescale)
+        return jnp.sum(y)
+
+    x = jax.random.normal(jax.random.key(0), (nranks * 256,))
+    gs = shard_map_call(jax.grad(state_loss), nranks, out_specs=P("tp"))(x)
+    np.testing.assert_array_equal(np.asarray(gs), 0.0)
+    gy = shard_map_call(jax.grad(out_loss), nranks, out_specs=P("tp"))(x)
+    ref = shard_map_call(jax.grad(lambda v: jnp.sum(jax.lax.psum(v, "tp"))), nranks,
+                         out_specs=P("tp"))(x)
+    np.testing.assert_array_equal(np.asarray(gy), np.asarray(ref))
+
+
+# --------------------------------------------------------------------------- transport choice
+
+@pytest.mark.parametrize("cfg, n", [
+    (ej.EchoConfig(group_size=1 << 17, transport="auto"), 1 << 18),   # group above 65536
+])
+def test_auto_falls_back_where_the_custom_call_cannot_run(cfg, n):
+    # "auto" checks every limit the custom call enforces before choosing it (p2p.limit_reason),
+    # so whatever "xla" runs, "auto" runs too, with the same bits.
+    nranks = 4
+    x = jax.random.normal(jax.random.key(1), (nranks * n,))
+    auto = shard_map_call(lambda v: ej.echo_psum(v, "tp", config=cfg), nranks)(x)
+    xla = shard_map_call(lambda v: ej.echo_psum(v, "tp", config=cfg.replace(transport="xla")),
+                         nranks)(x)
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))
+    with pytest.raises(ValueError, match="group_size=131072 exceeds"):
+        shard_map_call(lambda v: ej.echo_psum(v, "tp", config=cfg.replace(transport="p2p")),
+                       nranks)(x)
+
+
+def test_limit_reason_is_the_one_list_of_limits():
+    cfg = ej.EchoConfig()
+    assert p2p.limit_reason(cfg, 1000, 4) is None
+    assert "group_size" in p2p.limit_reason(cfg.replace(group_size=1 << 17), 1000, 4)
+    assert "ranks" in p2p.limit_reason(cfg, 1000, p2p.MAX_RANKS + 1)
+    assert "2^31-1" in p2p.limit_reason(cfg, 2 ** 33, 2)
+
+
+# -------------------------------------------------------------------------------- validation
+
+@pytest.mark.parametrize("field, value, stored", [
+    ("bits", 4.0, 4), ("bits", np.int64(8), 8), ("group_size", 128.0, 128),
+    ("group_size", np.int64(64), 64), ("group_size", np.int32(32), 32),
+    ("eta", np.float32(0.5), 0.5), ("eta", 1, 1.0), ("blend", np.float64(0.25), 0.25),
+    ("beta1", np.float32(0.5), 0.5), ("min_bytes", np.int64(4096), 4096), ("min_bytes", 0.0, 0),
+])
+def test_numpy_and_integral_scalars_are_accepted(field, value, stored):
+    cfg = ej.EchoConfig(**{field: value})
+    got = getattr(cfg, field)
+    assert got == stored and type(got) is type(stored)  # stored as the Python number
+    assert cfg == ej.EchoConfig(**{field: stored}) and hash(cfg) == hash(ej.EchoConfig(**{field: stored}))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("bits", 4.5), ("bits", True), ("bits", "4"), ("group_size", 128.5), ("group_size", "128"),
+    ("group_size", np.bool_(True)), ("group_size", float("inf")), ("eta", "0.5"),
+    ("eta", float("nan")), ("eta", True), ("min_bytes", 1.5), ("beta2", None),
+])
+def test_bad_scalars_are_rejected_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"EchoConfig.{field} must be"):
+        ej.EchoConfig(**{field: value})
+
+
+@pytest.mark.parametrize("axis_name", [0, np.int64(1), [], ["tp", "dp"]])
+def test_axis_name_must_be_a_name(axis_name):
+    f = jax.vmap(lambda v: ej.echo_psum(v, axis_name), axis_name="tp")
+    with pytest.raises(ValueError, match="echo_psum: "):
+        f(jnp.ones((2, 4)))
+
+
+# ------------------------------------------------------------------------- non-finite values
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_nan_in_compensated_state_stays_in_its_group_until_reset(transport):
+    nranks, g = 4, 128
+    cfg = ej.EchoConfig(group_size=g, transport=transport)
+    x = jax.random.normal(jax.random.key(2), (nranks, 8 * g))
+    m1 = jnp.zeros_like(x).at[1, 3 * g + 5].set(jnp.nan)   # rank 1's state, group 3 of 8
+
+    def step(v, m):
+        y, s = ej.echo_psum(v[0], "tp", config=cfg, state=ej.CompensatorState(m[0], m[0] * 0))
+        return y, s.m1[None]
+
+    mesh = make_mesh((nranks,), ("tp",))
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("tp"), P("tp")),
+                              out_specs=(P(), P("tp"))))
+    y, m = f(x[:, None], m1[:, None])
+    y = np.asarray(y).reshape(8, g)
+    # The sum is segmented over ranks by groups: only group 3 of the sum sees the NaN.
+    assert np.all(np.isnan(y[3])) and np.all(np.isfinite(np.delete(y, 3, axis=0)))
+    # The state keeps it in that group (every rank's u = x' - y/P is NaN there) ...
+    m = np.asarray(m).reshape(nranks, 8, g)
+    assert np.all(np.isnan(m[:, 3])) and np.all(np.isfinite(np.delete(m, 3, axis=1)))
+    # ... and a reset (zeros, the start of the next pass) clears it.
+    y2, _ = f(x[:, None], jnp.zeros_like(m1)[:, None])
+    assert np.all(np.isfinite(np.asarray(y2)))
