@@ -1,15 +1,67 @@
-// Standalone CUDA quantize / dequantize of the Echo wire format (echo_jax/quant.py), one warp per
-// group. The all-reduce kernel (p2p_cuda.cu) uses the same device helpers; these handlers let the
-// GPU tests compare the kernels with the pure-JAX reference bit for bit and let the benchmarks
-// measure the quantizer's throughput against the device's copy bandwidth.
+// Standalone CUDA quantize / dequantize of the Echo wire format (echo_jax/quant.py). These
+// handlers let the GPU tests compare the kernels with the pure-JAX reference bit for bit and let
+// the benchmarks measure the quantizer's throughput against the device's copy bandwidth.
+//
+// Two kernels each way:
+//
+// Fast quantize (quantize_fast_kernel<T, G, BITS, POLICY>): g in {32, 64, ..., 1024}, x 16-byte
+// aligned. Input dtype, group size, bits and policy are template constants, so the policy
+// branches, the code packing and every loop disappear at compile time and the per-value work is
+// a handful of instructions (the old kernel was instruction-bound: ~715 warp instructions per
+// 128-value group at 15 % of DRAM bandwidth).
+//   * Layout (quant_fast.cuh, QuantLayout): a group is handled by kLanes lanes of one warp, each
+//     holding kLoads 16-byte loads of kVec = 16 / sizeof(T) values; load k of lane j holds the
+//     values k * kLanes * kVec + j * kVec + [0, kVec), so every load instruction reads kLanes * 16
+//     contiguous bytes of each of the warp's groups (full 32-byte sectors, coalesced). Two loads a
+//     lane: fp32 8 values a lane (g/8 lanes a group: 4 .. 32 for g = 32 .. 256), bf16 / fp16 16
+//     values a lane (g/16 lanes: 2 .. 32 for g = 32 .. 512); larger groups keep 32 lanes and
+//     take more loads a lane (fp32 g = 512: 4, g = 1024: 8; 16-bit g = 1024: 4). Why: two
+//     16-byte loads put 32 bytes a lane in flight before the first use for every dtype, which
+//     the memory system needs to reach its bandwidth; fewer lanes a group means fewer shuffle
+//     rounds (log2(kLanes)) and fewer redundant per-group parameter computations a value (every
+//     lane of a group computes the group's parameters itself, the same instructions on the same
+//     data: ~50 instructions a lane spread over 8 or 16 values). The raw 16-byte words stay in
+//     registers between the statistics and the encoding (one read of x; the register arrays are
+//     indexed only by unrolled constants, so nothing goes to local memory).
+//   * Grid: one wave of resident blocks (the occupancy API's blocks per SM times the SMs), each
+//     warp grid-striding over tiles of kGroupsPerWarp groups; with two loads a lane the next
+//     tile's loads are issued before the current tile is reduced and encoded (prefetch), so a
+//     warp's bytes stay in flight while it computes.
+//   * Statistics: integer min / max of an order key of each value's bits (IEEE total order,
+//     -0 < +0), reduced over the group's lanes with __shfl_xor_sync; a group is finite iff its
+//     smallest and largest keys are keys of finite numbers (quant_fast.cuh).
+//   * Parameters and codes: make_params_fast / encode_fast (quant_fast.cuh) are make_params /
+//     encode_value of echo_common.h in the same order of rounded operations (__fmul_rn,
+//     __fadd_rn, __fsub_rn, __frcp_rn), with hardware fp16 conversions (cvt.rn / cvt.rp, equal
+//     to the software ones on every input they can get) and cvt.rni.s32.f32 + an integer clamp
+//     for rne + clip. Lane 0 of a group stores its parameters (one 4-byte store for asym); each
+//     load's kVec codes are stored as one 2-, 4- or 8-byte word (kVec * bits / 8 bytes).
+// Fast dequantize (dequantize_fast_kernel<BITS, POLICY>): g a power of two >= 4, y 16-byte
+// aligned. The codes and outputs are one flat stream (value i's code is at byte i * bits / 8 of
+// packed whatever g is), so each lane decodes 4 chunks of 4 consecutive values (warp tile: 512
+// values; chunk c of lane l at 4 * (32 c + l), one 16-byte store each), loading each chunk's
+// codes (2 or 4 bytes) and its group's parameters (group = i >> log2 g: g enters only as a shift,
+// so it need not be a template constant) before decoding any of them. decode_value as in
+// echo_common.h (code * s, then + m, both rounded), with the hardware fp16 -> fp32 conversion.
+// Generic kernels (quantize_kernel / dequantize_kernel, one warp per group, bits / policy / g at
+// run time): every other g, unaligned buffers, and whenever ECHO_JAX_GENERIC_QUANT=1 is set (read
+// once per process; for comparisons).
+//
+// Exactness: every kernel returns the bits of quant.quantize_groups / dequantize_groups. The fast
+// kernels are compiled like the rest (no fast-math, no flush-to-zero, --fmad=false) and use only
+// correctly rounded operations in the reference's order; quant_fast.cuh says, step by step, why
+// each hardware shortcut gives the reference's bits.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "echo_common.h"
 #include "echo_cuda.cuh"
+#include "quant_fast.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -21,11 +73,186 @@ namespace {
 constexpr int kQuantThreads = 256;
 constexpr int kRegChunks = 4;  // value chunks per lane kept in registers between the passes
 
+// ---- fast kernels --------------------------------------------------------------------------
+
+// Element t (a constant) of a 16-byte word of T values, as fp32 (exact).
+template <typename T, int t>
+__device__ __forceinline__ float element(const uint4& w) {
+  constexpr int kPer = 4 / static_cast<int>(sizeof(T));  // values per 32-bit word
+  const uint32_t u = t / kPer == 0 ? w.x : t / kPer == 1 ? w.y : t / kPer == 2 ? w.z : w.w;
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(u);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __uint_as_float(t % 2 == 0 ? u << 16 : u & 0xFFFF0000u);  // bf16 -> fp32: exact
+  } else {
+    return fast::f16_f32(static_cast<uint16_t>(t % 2 == 0 ? u & 0xFFFFu : u >> 16));
+  }
+}
+
+template <typename T, int N, int t = 0>
+__device__ __forceinline__ void unpack_values(const uint4& w, float* v) {
+  if constexpr (t < N) {
+    v[t] = element<T, t>(w);
+    unpack_values<T, N, t + 1>(w, v);
+  }
+}
+
+// Stores the kVec codes of one load (kVec * BITS / 8 bytes, low nibble first at 4 bits).
+template <int kVec, int BITS>
+__device__ __forceinline__ void store_piece(uint8_t* dst, const uint32_t* codes, uint32_t mask) {
+  constexpr int kBytes = kVec * BITS / 8;
+  constexpr int kPerWord = 32 / BITS;
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int t = 0; t < kVec; ++t) w[t / kPerWord] |= codes[t] << (BITS * (t % kPerWord));
+  if constexpr (kBytes == 2) {
+    *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(w[0] & mask);
+  } else if constexpr (kBytes == 4) {
+    *reinterpret_cast<uint32_t*>(dst) = w[0] & mask;
+  } else {
+    static_assert(kBytes == 8, "piece");
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0] & mask, w[1] & mask);
+  }
+}
+
+// The kLoads 16-byte words of lane j in group grp (zeros past the last group).
+template <typename T, int G>
+__device__ __forceinline__ void load_group(const T* __restrict__ x, int64_t grp, int64_t groups,
+                                           int j, uint4* raw) {
+  using L = fast::QuantLayout<T, G>;
+  const bool valid = grp < groups;
+  const uint4* src = reinterpret_cast<const uint4*>(x + grp * G) + j;
+#pragma unroll
+  for (int k = 0; k < L::kLoads; ++k)
+    raw[k] = valid ? __ldg(src + k * L::kLanes) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+// x [groups * G] (T, 16-byte aligned) -> packed [groups, G*BITS/8], params [groups, 1|2].
+// Warp w handles groups w * kGroupsPerWarp + [0, kGroupsPerWarp), grid-stride over warps (the
+// grid is one wave of resident blocks). With two loads a lane, the next tile's loads are issued
+// before this tile is reduced and encoded, so every warp keeps 32 bytes a lane in flight while it
+// computes; with more loads a lane there are enough bytes in flight without that.
+template <typename T, int G, int BITS, int POLICY>
+__global__ void __launch_bounds__(kQuantThreads)
+    quantize_fast_kernel(const T* __restrict__ x, int64_t groups, uint8_t* __restrict__ packed,
+                         uint16_t* __restrict__ params) {
+  using L = fast::QuantLayout<T, G>;
+  constexpr int kVec = L::kVec, kLanes = L::kLanes, kLoads = L::kLoads;
+  constexpr int kGpw = L::kGroupsPerWarp;
+  constexpr int kPieceBytes = kVec * BITS / 8;
+  constexpr int kCodeBytes = G * BITS / 8;
+  constexpr bool kPrefetch = kLoads == 2;
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  const int j = lane % kLanes;  // lane within the group
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarp;
+  uint4 raw[kLoads];
+  if constexpr (kPrefetch) load_group<T, G>(x, first * kGpw + lane / kLanes, groups, j, raw);
+  // The loop condition is the same for the 32 lanes of a warp (w is), so every shuffle below
+  // runs with the whole warp; lanes of a group past the end load zeros and store nothing.
+  for (int64_t w = first; w * kGpw < groups; w += stride) {
+    const int64_t grp = w * kGpw + lane / kLanes;
+    const bool valid = grp < groups;
+    uint4 next[kLoads];
+    if constexpr (kPrefetch)
+      load_group<T, G>(x, grp + stride * kGpw, groups, j, next);
+    else
+      load_group<T, G>(x, grp, groups, j, raw);
+
+    int32_t kmin = fast::kKeyMax, kmax = fast::kKeyMin;
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      float v[kVec];
+      unpack_values<T, kVec>(raw[k], v);
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        const int32_t key = fast::order_key(__float_as_uint(v[t]));
+        kmin = fast::imin(kmin, key);
+        kmax = fast::imax(kmax, key);
+      }
+    }
+#pragma unroll
+    for (int off = kLanes / 2; off > 0; off >>= 1) {  // within the group's aligned lanes
+      kmin = fast::imin(kmin, __shfl_xor_sync(0xffffffffu, kmin, off));
+      kmax = fast::imax(kmax, __shfl_xor_sync(0xffffffffu, kmax, off));
+    }
+    const fast::FastParams p = fast::make_params_fast<BITS, POLICY>(
+        __uint_as_float(fast::from_order_key(kmin)), __uint_as_float(fast::from_order_key(kmax)),
+        fast::keys_finite(kmin, kmax));
+    if (valid && j == 0) {
+      if constexpr (POLICY == kPolicySym)
+        params[grp] = static_cast<uint16_t>(p.wire);
+      else
+        *reinterpret_cast<uint32_t*>(params + 2 * grp) = p.wire;  // s16, z16 (little-endian)
+    }
+    const uint32_t mask = p.ok ? 0xFFFFFFFFu : 0u;  // a non-finite group's codes are all 0
+    uint8_t* dst = packed + grp * kCodeBytes + j * kPieceBytes;
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      float v[kVec];
+      unpack_values<T, kVec>(raw[k], v);
+      uint32_t codes[kVec];
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) codes[t] = fast::encode_fast<BITS, POLICY>(v[t], p);
+      if (valid) store_piece<kVec, BITS>(dst + k * kLanes * kPieceBytes, codes, mask);
+    }
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) raw[k] = next[k];
+    }
+  }
+}
+
+// packed [n * BITS / 8] + params [n >> log2g, 1|2] -> y [n] fp32 (16-byte aligned); n is a
+// multiple of the group size 2^log2g >= 4, so a 4-value chunk never leaves its group.
+template <int BITS, int POLICY>
+__global__ void __launch_bounds__(kQuantThreads)
+    dequantize_fast_kernel(const uint8_t* __restrict__ packed,
+                           const uint16_t* __restrict__ params, int64_t n, int log2g,
+                           float* __restrict__ y) {
+  constexpr int kChunks = 4;                   // 4-value chunks a lane per tile
+  constexpr int kTile = kWarp * 4 * kChunks;   // values a warp per tile
+  const int lane = static_cast<int>(threadIdx.x) % kWarp;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarp;
+  for (int64_t base = first * kTile; base < n; base += stride * kTile) {
+    uint32_t cw[kChunks], pw[kChunks];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {  // all loads first: several in flight
+      const int64_t i = base + 4 * (c * kWarp + lane);
+      const bool in = i < n;
+      const int64_t grp = i >> log2g;
+      if constexpr (BITS == 4)
+        cw[c] = in ? __ldg(reinterpret_cast<const unsigned short*>(packed + i / 2)) : 0u;
+      else
+        cw[c] = in ? __ldg(reinterpret_cast<const unsigned int*>(packed + i)) : 0u;
+      if constexpr (POLICY == kPolicySym)
+        pw[c] = in ? __ldg(reinterpret_cast<const unsigned short*>(params + grp)) : 0u;
+      else
+        pw[c] = in ? __ldg(reinterpret_cast<const unsigned int*>(params + 2 * grp)) : 0u;
+    }
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t i = base + 4 * (c * kWarp + lane);
+      const DequantParams d = fast::dequant_params_fast<BITS, POLICY>(pw[c]);
+      float4 out;
+      out.x = decode_value(static_cast<uint8_t>((cw[c] >> (0 * BITS)) & ((1u << BITS) - 1)), d);
+      out.y = decode_value(static_cast<uint8_t>((cw[c] >> (1 * BITS)) & ((1u << BITS) - 1)), d);
+      out.z = decode_value(static_cast<uint8_t>((cw[c] >> (2 * BITS)) & ((1u << BITS) - 1)), d);
+      out.w = decode_value(static_cast<uint8_t>((cw[c] >> (3 * BITS)) & ((1u << BITS) - 1)), d);
+      if (i < n) *reinterpret_cast<float4*>(y + i) = out;
+    }
+  }
+}
+
+// ---- generic kernels -----------------------------------------------------------------------
+
+// One warp per group, bits / policy / g at run time (the fallback of the fast kernels).
 // x [G*g] (T) -> packed [G, g*bits/8] (u8), params [G, np] (u16 holding fp16 bits).
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kQuantThreads)
     quantize_kernel(const T* x, int64_t groups, int g, int bits, int policy, uint8_t* packed,
-                    uint16_t* params) {
+                    uint16_t* params, bool x_aligned) {
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
   const int chunks = g / VEC;
@@ -39,7 +266,7 @@ __global__ void __launch_bounds__(kQuantThreads)
     float cache[kRegChunks][VEC];  // one pass over x when g <= 32 * VEC * kRegChunks
     for (int c = lane, i = 0; c < chunks; c += kWarp, ++i) {
       float v[VEC];
-      load_vec<T, VEC>(x, e0 + c * VEC, n, v);
+      load_vec<T, VEC>(x, e0 + c * VEC, n, v, x_aligned);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         if (!is_finite(v[k])) st.finite = false;
@@ -60,7 +287,7 @@ __global__ void __launch_bounds__(kQuantThreads)
 #pragma unroll
         for (int k = 0; k < VEC; ++k) v[k] = cache[i][k];
       } else {
-        load_vec<T, VEC>(x, e0 + c * VEC, n, v);
+        load_vec<T, VEC>(x, e0 + c * VEC, n, v, x_aligned);
       }
       uint8_t codes[VEC];
 #pragma unroll
@@ -73,7 +300,7 @@ __global__ void __launch_bounds__(kQuantThreads)
 template <int VEC>
 __global__ void __launch_bounds__(kQuantThreads)
     dequantize_kernel(const uint8_t* packed, const uint16_t* params, int64_t groups, int g,
-                      int bits, int policy, float* y) {
+                      int bits, int policy, float* y, bool y_aligned) {
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
   const int chunks = g / VEC;
@@ -89,18 +316,52 @@ __global__ void __launch_bounds__(kQuantThreads)
       float v[VEC];
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[k] = decode_value(codes[k], d);
-      store_vec<float, VEC>(y, grp * g + c * VEC, n, v);
+      store_vec<float, VEC>(y, grp * g + c * VEC, n, v, y_aligned);
     }
   }
 }
 
-int grid_for(int64_t groups) {
+
+// ---- launching -----------------------------------------------------------------------------
+
+int sm_count() {
   int device = 0, sms = 1;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int64_t warps_needed = groups;
-  const int64_t blocks = (warps_needed + kQuantThreads / kWarp - 1) / (kQuantThreads / kWarp);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t{sms} * 16)));
+  return std::max(1, sms);
+}
+
+// Blocks for `warps` warps of work (kQuantThreads / kWarp warps a block) of `kernel`: at most
+// one wave of resident blocks (the kernels grid-stride over the rest).
+template <auto kKernel>
+int grid_for_warps(int64_t warps) {
+  static const int per_sm = [] {  // once per kernel instance (a template argument)
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kQuantThreads, 0) != cudaSuccess)
+      n = 0;
+    return std::max(1, n);
+  }();
+  const int64_t per_block = kQuantThreads / kWarp;
+  const int64_t blocks = (warps + per_block - 1) / per_block;
+  const int64_t cap = int64_t{sm_count()} * per_sm;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, cap)));
+}
+
+int grid_for(int64_t groups) {  // generic kernels: one warp per group
+  const int64_t blocks = (groups + kQuantThreads / kWarp - 1) / (kQuantThreads / kWarp);
+  const int64_t cap = int64_t{sm_count()} * 16;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, cap)));
+}
+
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// ECHO_JAX_GENERIC_QUANT=1 (any value but empty or "0") forces the generic kernels; read once.
+bool force_generic() {
+  static const bool force = [] {
+    const char* v = std::getenv("ECHO_JAX_GENERIC_QUANT");
+    return v != nullptr && v[0] != '\0' && std::string(v) != "0";
+  }();
+  return force;
 }
 
 ffi::Error check(int64_t bits, int64_t g, int64_t policy) {
@@ -116,17 +377,106 @@ ffi::Error check(int64_t bits, int64_t g, int64_t policy) {
   return ffi::Error::Success();
 }
 
+template <typename T, int G, int BITS, int POLICY>
+void launch_quantize_fast(cudaStream_t s, const T* x, int64_t groups, uint8_t* packed,
+                          uint16_t* params) {
+  constexpr int64_t kGpw = fast::QuantLayout<T, G>::kGroupsPerWarp;
+  constexpr auto kernel = quantize_fast_kernel<T, G, BITS, POLICY>;
+  kernel<<<grid_for_warps<kernel>((groups + kGpw - 1) / kGpw), kQuantThreads, 0, s>>>(
+      x, groups, packed, params);
+}
+
+// Calls f(bits, policy) with both as std::integral_constant: the run-time format -> a template
+// instance.
+template <typename F>
+bool with_format(int bits, int policy, F&& f) {
+  using std::integral_constant;
+  using B4 = integral_constant<int, 4>;
+  using B8 = integral_constant<int, 8>;
+  using Asym = integral_constant<int, kPolicyAsym>;
+  using Sym = integral_constant<int, kPolicySym>;
+  using Naive = integral_constant<int, kPolicyAsymNaive>;
+  if (bits == 4) {
+    if (policy == kPolicyAsym) return f(B4{}, Asym{});
+    if (policy == kPolicySym) return f(B4{}, Sym{});
+    return f(B4{}, Naive{});
+  }
+  if (policy == kPolicyAsym) return f(B8{}, Asym{});
+  if (policy == kPolicySym) return f(B8{}, Sym{});
+  return f(B8{}, Naive{});
+}
+
+template <typename T, int BITS, int POLICY, int... Gs>
+bool quantize_fast_g(cudaStream_t s, const T* x, int64_t groups, int g, uint8_t* packed,
+                     uint16_t* params) {
+  // Launches the instance whose G is g, if there is one.
+  return ((g == Gs && (launch_quantize_fast<T, Gs, BITS, POLICY>(s, x, groups, packed, params),
+                       true)) || ...);
+}
+
+// The fast kernel for (T, g, bits, policy) when there is one and the buffers allow it; false:
+// nothing launched, use the generic kernel.
+template <typename T>
+bool quantize_fast(cudaStream_t s, const void* x, int64_t groups, int g, int bits, int policy,
+                   uint8_t* packed, uint16_t* params) {
+  if (force_generic() || !aligned(x, 16) || !aligned(packed, 8) || !aligned(params, 4))
+    return false;
+  const T* xt = static_cast<const T*>(x);
+  return with_format(bits, policy, [&](auto b, auto p) {
+    return quantize_fast_g<T, decltype(b)::value, decltype(p)::value, 32, 64, 128, 256, 512, 1024>(
+        s, xt, groups, g, packed, params);
+  });
+}
+
 template <typename T>
 void launch_quantize(cudaStream_t s, const void* x, int64_t groups, int g, int bits, int policy,
                      uint8_t* packed, uint16_t* params) {
+  if (quantize_fast<T>(s, x, groups, g, bits, policy, packed, params)) return;
   const T* xt = static_cast<const T*>(x);
   const int grid = grid_for(groups);
   if (g % 4 == 0)
-    quantize_kernel<T, 4><<<grid, kQuantThreads, 0, s>>>(xt, groups, g, bits, policy, packed, params);
+    quantize_kernel<T, 4><<<grid, kQuantThreads, 0, s>>>(xt, groups, g, bits, policy, packed,
+                                                         params, aligned(x, 4 * sizeof(T)));
   else if (g % 2 == 0)
-    quantize_kernel<T, 2><<<grid, kQuantThreads, 0, s>>>(xt, groups, g, bits, policy, packed, params);
+    quantize_kernel<T, 2><<<grid, kQuantThreads, 0, s>>>(xt, groups, g, bits, policy, packed,
+                                                         params, aligned(x, 2 * sizeof(T)));
   else
-    quantize_kernel<T, 1><<<grid, kQuantThreads, 0, s>>>(xt, groups, g, bits, policy, packed, params);
+    quantize_kernel<T, 1><<<grid, kQuantThreads, 0, s>>>(xt, groups, g, bits, policy, packed,
+                                                         params, true);
+}
+
+template <int BITS, int POLICY>
+void launch_dequantize_fast(cudaStream_t s, const uint8_t* packed, const uint16_t* params,
+                            int64_t n, int log2g, float* y) {
+  constexpr int64_t kTile = kWarp * 16;  // dequantize_fast_kernel's values a warp per tile
+  constexpr auto kernel = dequantize_fast_kernel<BITS, POLICY>;
+  kernel<<<grid_for_warps<kernel>((n + kTile - 1) / kTile), kQuantThreads, 0, s>>>(
+      packed, params, n, log2g, y);
+}
+
+void launch_dequantize(cudaStream_t s, const uint8_t* packed, const uint16_t* params,
+                       int64_t groups, int g, int bits, int policy, float* y) {
+  int log2g = 0;
+  while ((1 << log2g) < g) ++log2g;
+  if (!force_generic() && (1 << log2g) == g && g >= 4 && aligned(y, 16) &&
+      aligned(packed, 4) && aligned(params, 4)) {
+    with_format(bits, policy, [&](auto b, auto p) {
+      launch_dequantize_fast<decltype(b)::value, decltype(p)::value>(s, packed, params, groups * g,
+                                                                     log2g, y);
+      return true;
+    });
+    return;
+  }
+  const int grid = grid_for(groups);
+  if (g % 4 == 0)
+    dequantize_kernel<4><<<grid, kQuantThreads, 0, s>>>(packed, params, groups, g, bits, policy, y,
+                                                        aligned(y, 16));
+  else if (g % 2 == 0)
+    dequantize_kernel<2><<<grid, kQuantThreads, 0, s>>>(packed, params, groups, g, bits, policy, y,
+                                                        aligned(y, 8));
+  else
+    dequantize_kernel<1><<<grid, kQuantThreads, 0, s>>>(packed, params, groups, g, bits, policy, y,
+                                                        true);
 }
 
 }  // namespace
@@ -184,15 +534,8 @@ static ffi::Error EchoDequantizeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> p
   if (err.failure()) return err;
   const int64_t groups = static_cast<int64_t>(y->element_count()) / group_size;
   const int g = static_cast<int>(group_size), b = static_cast<int>(bits), p = static_cast<int>(policy);
-  if (g % 4 == 0)
-    echo::cuda::dequantize_kernel<4><<<echo::cuda::grid_for(groups), echo::cuda::kQuantThreads, 0, stream>>>(
-        packed.typed_data(), params.typed_data(), groups, g, b, p, y->typed_data());
-  else if (g % 2 == 0)
-    echo::cuda::dequantize_kernel<2><<<echo::cuda::grid_for(groups), echo::cuda::kQuantThreads, 0, stream>>>(
-        packed.typed_data(), params.typed_data(), groups, g, b, p, y->typed_data());
-  else
-    echo::cuda::dequantize_kernel<1><<<echo::cuda::grid_for(groups), echo::cuda::kQuantThreads, 0, stream>>>(
-        packed.typed_data(), params.typed_data(), groups, g, b, p, y->typed_data());
+  echo::cuda::launch_dequantize(stream, packed.typed_data(), params.typed_data(), groups, g, b, p,
+                                y->typed_data());
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return ffi::Error::Internal(std::string("echo_jax dequantize (CUDA): ") + cudaGetErrorString(e));

@@ -1,0 +1,208 @@
+// Fast arithmetic of the Echo group quantizer (echo_jax/quant.py, transcribed in echo_common.h),
+// for kernels whose bits, policy and group size are compile-time constants.
+//
+// Everything here gives the same bits as echo_common.h's make_params / encode_value /
+// decode_value; only the way each step is computed changes:
+//   * Group statistics are integer min / max over an order key of the fp32 bit pattern (a total
+//     order in which -0 < +0), so lo and hi are the exact values min_f / max_f pick, sign of zero
+//     included, in any reduction order, and no float min/max semantics are relied on. The key of
+//     a NaN or an infinity lies outside the keys of the finite numbers, so a group is finite iff
+//     the smallest and largest key of the group are inside that range: one test per group
+//     instead of a flag per value.
+//   * fp32 -> fp16 uses the hardware conversions: cvt.rn.f16.f32 (round to nearest even, fp16
+//     subnormals, overflow to inf: IEEE 754, what f32_to_f16 implements in software) and
+//     cvt.rp.f16.f32 (round toward +inf: the smallest fp16 >= v, inf above 65504, what
+//     f16_round_up implements for v >= 0). Neither is ever given a NaN on a path whose result is
+//     kept: lo and hi are finite in a finite group, so every converted value is finite or +-inf
+//     (see make_params_fast). No .ftz: fp32 subnormal inputs are converted exactly. fp16 -> fp32
+//     is cvt.f32.f16 (exact).
+//   * rne + clip + cast of a code is one cvt.rni.s32.f32 (ties to even, saturating) and an
+//     integer clamp. In a finite group (x - m) * r and x * r are finite or +-inf, never NaN (r is
+//     0 only when s is 0, and then |x - m| is tiny), and for those inputs both forms give the
+//     same integer.
+// On the host (CPU tests of this header) the conversions fall back to echo_common.h's software
+// versions, so the host build checks the restructured logic against quantize_group.
+#ifndef ECHO_JAX_FFI_QUANT_FAST_CUH_
+#define ECHO_JAX_FFI_QUANT_FAST_CUH_
+
+#include <cstdint>
+
+#include "echo_common.h"
+
+namespace echo {
+namespace fast {
+
+// ---- order keys ----------------------------------------------------------------------------
+// key(x) = bits(x) for x >= +0, bits(x) ^ 0x7FFFFFFF for a set sign bit: signed-integer order of
+// the keys is the IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN). The map is
+// an involution.
+ECHO_HD int32_t order_key(uint32_t bits) {
+  const uint32_t neg = static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31);  // 0 or ~0
+  return static_cast<int32_t>(bits ^ (neg & 0x7FFFFFFFu));
+}
+ECHO_HD uint32_t from_order_key(int32_t key) {
+  const uint32_t neg = static_cast<uint32_t>(key >> 31);
+  return static_cast<uint32_t>(key) ^ (neg & 0x7FFFFFFFu);
+}
+// Keys of the finite numbers are exactly the open interval (key(-inf), key(+inf)).
+constexpr int32_t kKeyNegInf = static_cast<int32_t>(0x807FFFFFu);  // key(0xFF800000)
+constexpr int32_t kKeyPosInf = 0x7F800000;
+constexpr int32_t kKeyMin = static_cast<int32_t>(0x80000000u);
+constexpr int32_t kKeyMax = 0x7FFFFFFF;
+
+ECHO_HD int32_t imin(int32_t a, int32_t b) { return b < a ? b : a; }
+ECHO_HD int32_t imax(int32_t a, int32_t b) { return b > a ? b : a; }
+
+// Whether a group whose smallest / largest keys are kmin / kmax holds only finite values.
+ECHO_HD bool keys_finite(int32_t kmin, int32_t kmax) {
+  return kmin > kKeyNegInf && kmax < kKeyPosInf;
+}
+
+// ---- conversions ---------------------------------------------------------------------------
+
+// fp32 -> fp16 bits, round to nearest even (f32_to_f16 for every non-NaN input).
+ECHO_HD uint16_t f16_rn(float f) {
+#if defined(__CUDA_ARCH__)
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#else
+  return f32_to_f16(f);
+#endif
+}
+
+// fp32 -> fp16 bits, round toward +inf (f16_round_up for every non-NaN v >= 0).
+ECHO_HD uint16_t f16_ru(float f) {
+#if defined(__CUDA_ARCH__)
+  unsigned short h;
+  asm("cvt.rp.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#else
+  return f16_round_up(f);
+#endif
+}
+
+// fp16 bits -> fp32 (exact).
+ECHO_HD float f16_f32(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#else
+  return f16_to_f32(h);
+#endif
+}
+
+// fp32 -> int32, round to nearest even, saturating, NaN -> 0 (cvt.rni.s32.f32).
+ECHO_HD int32_t f2i_rn(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float2int_rn(v);
+#else
+  if (v != v) return 0;
+  if (v >= 2147483648.0f) return kKeyMax;
+  if (v <= -2147483648.0f) return kKeyMin;
+  return static_cast<int32_t>(rne(v));
+#endif
+}
+
+// ---- parameters ----------------------------------------------------------------------------
+
+// What the encoder of one group needs, and the group's parameters as they go on the wire.
+struct FastParams {
+  float r;        // 1/s (0 when s == 0)
+  float m;        // asym: -(z * s); sym: 0 (unused)
+  uint32_t wire;  // s16 (sym) or s16 | z16 << 16 (asym): params[2g], params[2g+1] little-endian
+  bool ok;        // false: non-finite group; every code is 0, wire is (0x7E00, 0)
+};
+
+// make_params of echo_common.h, step for step, for a group with statistics lo, hi (the values
+// min_f / max_f give) and finiteness `finite`. Branch-free: a non-finite group computes garbage
+// from its lo / hi (possibly NaN), and ok = false then discards all of it.
+template <int BITS, int POLICY>
+ECHO_HD FastParams make_params_fast(float lo, float hi, bool finite) {
+  static_assert(BITS == 4 || BITS == 8, "bits");
+  FastParams p;
+  // |lo| and |hi| have a clear sign bit, so for non-NaN inputs fmaxf picks the same bits as max_f
+  // (equal values are the same bit pattern).
+  const float amax = fmaxf(abs_f(lo), abs_f(hi));
+  const bool constant = lo == hi;  // +0 == -0, as in the reference
+  if constexpr (POLICY == kPolicySym) {
+    constexpr int qmax = (1 << (BITS - 1)) - 1;
+    constexpr float inv_q = static_cast<float>(1.0 / static_cast<double>(qmax));
+    // amax * inv_q >= +0 (or +inf): f16_ru equals f16_round_up there.
+    const uint16_t s16 = constant ? f16_rn(amax) : f16_ru(mul_rn(amax, inv_q));
+    const float s = f16_f32(s16);
+    p.r = reciprocal(s);
+    p.m = 0.0f;
+    p.ok = finite && is_finite(s);
+    p.wire = p.ok ? uint32_t{s16} : uint32_t{kF16NaN};
+  } else {
+    constexpr int levels = (1 << BITS) - 1;
+    constexpr float inv_m = static_cast<float>(1.0 / static_cast<double>(levels));
+    constexpr float floor_scale = 0.0009765625f;  // 2^-10, exact
+    // Both operands are >= +0 and never -0 (hi - lo >= +0 for lo <= hi; x - x is +0), so fmaxf
+    // equals max_f; the result is >= +0 (or +inf), where f16_ru equals f16_round_up.
+    const float s_raw = fmaxf(mul_rn(sub_rn(hi, lo), inv_m), mul_rn(amax, floor_scale));
+    const uint16_t s16 = constant ? f16_rn(lo) : f16_ru(s_raw);
+    const float s = f16_f32(s16);
+    const float r = reciprocal(s);
+    const float zn = mul_rn(-lo, r);  // finite: lo and r are finite (r = 0 when s is 0 or inf)
+    const bool straddles = lo < 0.0f && hi > 0.0f;
+    const float z = (POLICY == kPolicyAsym && straddles) ? rne(zn) : zn;
+    const uint16_t z16 = constant ? kF16MinusOne : f16_rn(z);
+    const float zf = f16_f32(z16);
+    p.r = r;
+    p.m = -mul_rn(zf, s);  // exact: both factors are fp16 values
+    p.ok = finite && is_finite(s) && is_finite(zf);
+    p.wire = p.ok ? (uint32_t{s16} | (uint32_t{z16} << 16)) : uint32_t{kF16NaN};
+  }
+  return p;
+}
+
+// The code of value x of a group (encode_value before the ok mask: the caller zeroes the codes
+// of a group with ok == false).
+template <int BITS, int POLICY>
+ECHO_HD uint32_t encode_fast(float x, const FastParams& p) {
+  if constexpr (POLICY == kPolicySym) {
+    constexpr int qmax = (1 << (BITS - 1)) - 1;
+    const int32_t q = imin(imax(f2i_rn(mul_rn(x, p.r)), -qmax), qmax);
+    return static_cast<uint32_t>(q + qmax + 1);
+  } else {
+    constexpr int levels = (1 << BITS) - 1;
+    return static_cast<uint32_t>(imin(imax(f2i_rn(mul_rn(sub_rn(x, p.m), p.r)), 0), levels));
+  }
+}
+
+// ---- decoding ------------------------------------------------------------------------------
+
+// dequant_params of echo_common.h from the wire word of quantize (s16 | z16 << 16 for asym).
+template <int BITS, int POLICY>
+ECHO_HD DequantParams dequant_params_fast(uint32_t wire) {
+  const float s = f16_f32(static_cast<uint16_t>(wire & 0xFFFFu));
+  const float z = POLICY == kPolicySym ? static_cast<float>(1 << (BITS - 1))
+                                       : f16_f32(static_cast<uint16_t>(wire >> 16));
+  return DequantParams{s, -mul_rn(z, s)};
+}
+
+// ---- layout of the fast quantize kernel ------------------------------------------------------
+// A group of G values of type T is read by kLanes lanes of one warp, each with kLoads 16-byte
+// loads of kVec values; load k of lane j holds values k * kLanes * kVec + j * kVec + [0, kVec), so
+// each load instruction of a group's lanes reads kLanes * 16 contiguous bytes. Two loads a lane
+// (32 bytes in flight per lane for every dtype) until a group has 32 lanes, more loads after.
+template <typename T, int G>
+struct QuantLayout {
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  static constexpr int kLanes = G / (2 * kVec) < 32 ? G / (2 * kVec) : 32;
+  static constexpr int kLoads = G / (kLanes * kVec);
+  static constexpr int kGroupsPerWarp = 32 / kLanes;
+  static constexpr int kValuesPerLane = kLoads * kVec;
+  static_assert(kLanes >= 1 && (kLanes & (kLanes - 1)) == 0, "lanes per group: a power of two");
+  static_assert(kLoads >= 2 && kLanes * kVec * kLoads == G, "G: a power of two >= 2 * kVec");
+  // Index in the group of element t of load k of lane j.
+  static constexpr int index(int j, int k, int t) { return k * kLanes * kVec + j * kVec + t; }
+};
+
+}  // namespace fast
+}  // namespace echo
+
+#endif  // ECHO_JAX_FFI_QUANT_FAST_CUH_
