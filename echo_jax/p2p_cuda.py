@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from echo_jax import _compat
 from echo_jax import compensator as comp
 from echo_jax import p2p
 from echo_jax import quant
@@ -137,8 +138,7 @@ def mesh_groups(axis, num_ranks: int) -> np.ndarray | None:
     None when no concrete mesh is set (use `jax.set_mesh(mesh)`), or when a device of the mesh
     is not a local GPU.
     """
-    from jax._src import mesh as mesh_lib  # the concrete mesh of jax.set_mesh
-    mesh = mesh_lib.get_concrete_mesh()
+    mesh = _compat.concrete_mesh()  # the concrete mesh of jax.set_mesh
     if mesh is None or not mesh.shape or axis not in mesh.axis_names:
         return None
     devices = mesh.devices
