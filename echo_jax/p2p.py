@@ -355,11 +355,18 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
             _compat.to_varying(m2, varying))
 
 
+def build_info() -> dict:
+    """The XLA FFI headers echo_jax._ffi was compiled against: {"jaxlib": release or "unknown",
+    "xla_ffi_api": (major, minor)}; empty without the extension. The install takes them from the
+    jaxlib it runs with (CMakeLists.txt); reinstall (`pip install -e .`) after changing jaxlib."""
+    return dict(_ffi.build_info()) if _ffi is not None else {}
+
+
 def registry_stats() -> dict:
     """Counts of the CPU handler's persistent workspaces, joins in flight and bindings."""
     return dict(_ffi.registry_stats()) if _ffi is not None else {}
 
 
 __all__ = ["choose", "unavailable_reason", "available_platforms", "p2p_allreduce",
-           "p2p_allreduce_compensated", "debug_absent_rank", "registry_stats", "TIMEOUT_ENV",
-           "POLICY_CODES"]
+           "p2p_allreduce_compensated", "debug_absent_rank", "build_info", "registry_stats",
+           "TIMEOUT_ENV", "POLICY_CODES"]

@@ -55,6 +55,15 @@ def available() -> bool:
         return False
 
 
+def build_info() -> dict:
+    """The XLA FFI headers echo_jax._ffi_cuda was compiled against (as `p2p.build_info()`);
+    empty when the CUDA handlers are not built."""
+    try:
+        return dict(_module().build_info())
+    except ImportError:
+        return {}
+
+
 @functools.lru_cache(maxsize=None)
 def register() -> None:
     """Registers the CUDA targets with XLA (once; after the GPU backend is initialised)."""
@@ -168,5 +177,5 @@ def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None):
     return y, comp.CompensatorState(m1, m2)
 
 
-__all__ = ["available", "register", "quantize", "dequantize", "virtual_allreduce",
+__all__ = ["available", "build_info", "register", "quantize", "dequantize", "virtual_allreduce",
            "rank_allreduce", "mesh_groups", "TIMEOUT_ENV"]
