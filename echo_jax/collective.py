@@ -38,15 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from echo_jax import _compat
 from echo_jax import compensator as comp
 from echo_jax import quant
 from echo_jax import rotation as rot
 from echo_jax.config import EchoConfig
-
-try:  # Varying -> invariant all-gather, so that the result is typed like lax.psum's.
-    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
-except ImportError:  # pragma: no cover - older/newer JAX without it
-    _all_gather_invariant = None
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -86,29 +82,6 @@ def _single_axis(axis_name, where):
     return axis_name
 
 
-def _to_varying(x, axis):
-    """psum semantics for a value invariant over a shard_map axis: every rank contributes it."""
-    if _varies_over(x, axis) or axis not in jax.sharding.get_abstract_mesh().manual_axes:
-        return x  # already varying, or a vmap axis (no types to cast)
-    try:
-        return lax.pcast(x, axis, to="varying")
-    except (ValueError, AssertionError):  # shard_map(check_vma=False): nothing to cast
-        return x
-
-
-def _varies_over(x, axis) -> bool:
-    """Whether x is typed as varying over a shard_map axis (never true for a vmap axis)."""
-    manual = getattr(jax.typeof(x), "mat", None)  # JAX 0.11: ShapedArray.mat.varying
-    return manual is not None and axis in manual.varying
-
-
-def _gather(x, axis):
-    # In a type-checked shard_map the sum is invariant over the axis, like lax.psum's result.
-    if _all_gather_invariant is not None and _varies_over(x, axis):
-        return _all_gather_invariant(x, axis)
-    return lax.all_gather(x, axis)
-
-
 def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
     """The quantized all-reduce of a flat fp32 contribution with the "xla" transport.
 
@@ -137,9 +110,10 @@ def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
     for r in range(1, num_ranks):
         acc = acc + jnp.where(me == r, own, copies[r])
     sum_packed, sum_params = quant.quantize_groups(acc, bits, policy)
-    # Gather + tail: every rank dequantizes the same codes of every owner.
-    all_packed = _gather(sum_packed, axis)
-    all_params = _gather(sum_params, axis)
+    # Gather + tail: every rank dequantizes the same codes of every owner. In a type-checked
+    # shard_map the gathered codes are invariant over the axis, like lax.psum's result.
+    all_packed = _compat.all_gather_invariant(sum_packed, axis)
+    all_params = _compat.all_gather_invariant(sum_params, axis)
     y = quant.dequantize_groups(all_packed, all_params, bits, policy)
     return y.reshape(-1)[:n]
 
@@ -217,7 +191,7 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     num_ranks = axis_size(axis)
     if num_ranks == 1:
         return x, state
-    x = _to_varying(x, axis)
+    x = _compat.to_varying(x, axis)  # psum semantics: an invariant x counts once per rank
     if config.gated(int(jnp.size(x)) * dtype.itemsize):
         # Size gate: a small message is latency-bound, so the exact psum is the faster call.
         # Nothing was quantized, so there is no error to feed back: the state passes through.
@@ -226,7 +200,8 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     shape = jnp.shape(x)
     if state is not None:
         state = jax.tree.map(lax.stop_gradient, state)
-        state = comp.CompensatorState(_to_varying(state.m1, axis), _to_varying(state.m2, axis))
+        state = comp.CompensatorState(_compat.to_varying(state.m1, axis),
+                                      _compat.to_varying(state.m2, axis))
         m = comp.CompensatorState(jnp.ravel(state.m1), jnp.ravel(state.m2))
     # With the rotation the compensator runs in JAX around the (unfused) transport, so that
     # its state stays in the original basis; the fused custom call would see rotated values.

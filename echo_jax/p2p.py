@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from echo_jax import _compat
 from echo_jax import compensator as comp
 from echo_jax.config import EchoConfig
 from echo_jax.quant import POLICIES
@@ -252,24 +253,6 @@ def debug_absent_rank(rank: int):
         _debug_absent_rank = previous
 
 
-def _varying_axes(x) -> frozenset:
-    mat = getattr(jax.typeof(x), "mat", None)  # JAX 0.11: ShapedArray.mat.varying
-    return frozenset(mat.varying) if mat is not None else frozenset()
-
-
-def _cast_varying(y, axes):
-    """Types y (an invariant ffi_call result) as varying over `axes`; a no-op when the
-    shard_map does not check types (check_vma=False)."""
-    missing = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names
-                    if a in axes and a not in _varying_axes(y))
-    if not missing:
-        return y
-    try:
-        return lax.pcast(y, missing, to="varying")
-    except (ValueError, AssertionError, TypeError):
-        return y
-
-
 def _coords(axis):
     """int32 [2]: this rank's index on `axis` and the id of its group (the other manual axes)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -356,7 +339,7 @@ def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n,), jnp.float32),
                             vmap_method="sequential")
     y = call(x_flat32, _coords(axis), **attrs)
-    return _cast_varying(y, _varying_axes(x_flat32) - {axis})
+    return _compat.to_varying(y, _compat.varying_axes(x_flat32) - {axis})
 
 
 def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
@@ -396,9 +379,18 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     y, m1, m2 = call(x_flat32, m1_flat, m2_flat, _coords(axis), **attrs,
                      ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2),
                      c2=f32(k.c2), inv_ranks=f32(1.0 / int(num_ranks)))
-    varying = _varying_axes(x_flat32) | _varying_axes(m1_flat) | _varying_axes(m2_flat)
-    return (_cast_varying(y, varying - {axis}), _cast_varying(m1, varying),
-            _cast_varying(m2, varying))
+    # ffi_call results are typed invariant; type them as the xla transport's are.
+    varying = (_compat.varying_axes(x_flat32) | _compat.varying_axes(m1_flat)
+               | _compat.varying_axes(m2_flat))
+    return (_compat.to_varying(y, varying - {axis}), _compat.to_varying(m1, varying),
+            _compat.to_varying(m2, varying))
+
+
+def build_info() -> dict:
+    """The XLA FFI headers echo_jax._ffi was compiled against: {"jaxlib": release or "unknown",
+    "xla_ffi_api": (major, minor)}; empty without the extension. The install takes them from the
+    jaxlib it runs with (CMakeLists.txt); reinstall (`pip install -e .`) after changing jaxlib."""
+    return dict(_ffi.build_info()) if _ffi is not None else {}
 
 
 def registry_stats() -> dict:
@@ -407,5 +399,5 @@ def registry_stats() -> dict:
 
 
 __all__ = ["choose", "unavailable_reason", "limit_reason", "available_platforms", "p2p_allreduce",
-           "p2p_allreduce_compensated", "debug_absent_rank", "registry_stats", "TIMEOUT_ENV",
-           "POLICY_CODES"]
+           "p2p_allreduce_compensated", "debug_absent_rank", "build_info", "registry_stats",
+           "TIMEOUT_ENV", "POLICY_CODES"]

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from echo_jax import _compat
 from echo_jax import compensator as comp
 from echo_jax import p2p
 from echo_jax import quant
@@ -52,6 +53,15 @@ def available() -> bool:
         return bool(jax.devices("gpu"))
     except RuntimeError:
         return False
+
+
+def build_info() -> dict:
+    """The XLA FFI headers echo_jax._ffi_cuda was compiled against (as `p2p.build_info()`);
+    empty when the CUDA handlers are not built."""
+    try:
+        return dict(_module().build_info())
+    except ImportError:
+        return {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,8 +147,7 @@ def mesh_groups(axis, num_ranks: int) -> np.ndarray | None:
     None when no concrete mesh is set (use `jax.set_mesh(mesh)`), or when a device of the mesh
     is not a local GPU.
     """
-    from jax._src import mesh as mesh_lib  # the concrete mesh of jax.set_mesh
-    mesh = mesh_lib.get_concrete_mesh()
+    mesh = _compat.concrete_mesh()  # the concrete mesh of jax.set_mesh
     if mesh is None or not mesh.shape or axis not in mesh.axis_names:
         return None
     devices = mesh.devices
@@ -168,5 +177,5 @@ def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None):
     return y, comp.CompensatorState(m1, m2)
 
 
-__all__ = ["available", "register", "quantize", "dequantize", "virtual_allreduce",
+__all__ = ["available", "build_info", "register", "quantize", "dequantize", "virtual_allreduce",
            "rank_allreduce", "mesh_groups", "TIMEOUT_ENV"]

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from echo_jax import collective
+from echo_jax import _compat, collective
 from echo_jax.compensator import CompensatorState, init_state
 from echo_jax.config import EchoConfig
 
@@ -42,7 +42,7 @@ SiteConfigs = Union[SiteConfig, Sequence[SiteConfig]]
 def _reduce(x, axis, config: SiteConfig, state, rescale):
     """One all-reduce of `x` under a static site config; returns (y, state)."""
     if config is None:
-        y = lax.psum(collective._to_varying(x, axis), axis)
+        y = lax.psum(_compat.to_varying(x, axis), axis)
         return y, state
     if state is None or not config.compensated:
         return collective.echo_psum(x, axis, config=config, rescale=rescale), state
@@ -61,8 +61,8 @@ def _reduce_site(x, axis, config: SiteConfig, state, rescale, exact_in_f32):
 def _as_varying_state(state, axis):
     if state is None:
         return None
-    return CompensatorState(collective._to_varying(state.m1, axis),
-                            collective._to_varying(state.m2, axis))
+    return CompensatorState(_compat.to_varying(state.m1, axis),
+                            _compat.to_varying(state.m2, axis))
 
 
 def _reduce_switch(x, axis, configs: SiteConfigs, choice, state, rescale, exact_in_f32=False):
@@ -131,7 +131,7 @@ def _forward_site_bwd(axis, config, rescale, exact_in_f32, res, cts):
     state, choice = res
     ct_y, _ = cts
     # Identity: every rank receives the full cotangent of the (replicated) sum.
-    ct_x = collective._to_varying(ct_y, axis)
+    ct_x = _compat.to_varying(ct_y, axis)
     zeros = jax.tree.map(jnp.zeros_like, state)
     return ct_x, zeros, _zero_choice(choice)
 
@@ -171,7 +171,7 @@ def backward_site(x, axis_name, config: SiteConfigs, bwd_state: CompensatorState
     if not isinstance(bwd_state, CompensatorState):
         raise ValueError("backward_site: bwd_state must be a CompensatorState shaped like x "
                          "(use echo_jax.init_state(x))")
-    x_varies = collective._varies_over(x, axis_name)
+    x_varies = _compat.varies_over(x, axis_name)
     # The live state is per rank, so its cotangent is varying: type the primal the same way.
     bwd_state = _as_varying_state(bwd_state, axis_name)
     return _backward_site(x, bwd_state, choice, axis_name, config, rescale, x_varies,
@@ -180,7 +180,7 @@ def backward_site(x, axis_name, config: SiteConfigs, bwd_state: CompensatorState
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _backward_site(x, bwd_state, choice, axis, config, rescale, x_varies, exact_in_f32):
-    return collective._to_varying(x, axis), bwd_state
+    return _compat.to_varying(x, axis), bwd_state
 
 
 def _backward_site_fwd(x, bwd_state, choice, axis, config, rescale, x_varies, exact_in_f32):
@@ -194,7 +194,7 @@ def _backward_site_bwd(axis, config, rescale, x_varies, exact_in_f32, res, cts):
     ct_in, new_state = _reduce_switch(ct_x, axis, config, choice, live_state, rescale,
                                       exact_in_f32)
     if x_varies:  # the cotangent of a varying input must be typed varying too
-        ct_in = collective._to_varying(ct_in, axis)
+        ct_in = _compat.to_varying(ct_in, axis)
     if new_state is None:
         new_state = live_state
     return ct_in, new_state, _zero_choice(choice)

@@ -21,6 +21,10 @@
 
 namespace nb = nanobind;
 
+#ifndef ECHO_JAX_HEADERS_JAXLIB  // set by CMakeLists.txt: the jaxlib release of the FFI headers
+#define ECHO_JAX_HEADERS_JAXLIB "unknown"
+#endif
+
 // Handlers defined in ffi/echo_allreduce_cpu.cc.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EchoAllReduceCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EchoAllReduceCompensatedCpu);
@@ -105,6 +109,17 @@ NB_MODULE(_ffi, m) {
         return d;
       },
       "FFI target name -> handler capsule of the CPU handlers (platform 'cpu').");
+
+  m.def(
+      "build_info",
+      []() {
+        nb::dict d;
+        d["jaxlib"] = ECHO_JAX_HEADERS_JAXLIB;
+        d["xla_ffi_api"] = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+        return d;
+      },
+      "The XLA FFI headers this module was compiled against: {'jaxlib': the jaxlib release they "
+      "came from ('unknown' when the build did not say), 'xla_ffi_api': (major, minor)}.");
 
   m.def(
       "platforms", []() { return nb::make_tuple("cpu"); },

@@ -5,6 +5,10 @@
 
 namespace nb = nanobind;
 
+#ifndef ECHO_JAX_HEADERS_JAXLIB  // set by CMakeLists.txt: the jaxlib release of the FFI headers
+#define ECHO_JAX_HEADERS_JAXLIB "unknown"
+#endif
+
 extern "C" {
 XLA_FFI_Error* echo_allreduce_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* echo_allreduce_comp_cuda(XLA_FFI_CallFrame*);
@@ -31,4 +35,10 @@ NB_MODULE(_ffi_cuda, m) {
     d["echo_dequantize_cuda"] = encapsulate(echo_dequantize_cuda);
     return d;
   });
+  m.def("build_info", []() {
+    nb::dict d;
+    d["jaxlib"] = ECHO_JAX_HEADERS_JAXLIB;
+    d["xla_ffi_api"] = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+    return d;
+  }, "The XLA FFI headers this module was compiled against (as echo_jax._ffi.build_info()).");
 }

@@ -117,6 +117,24 @@ def signed_zero_and_subnormal_groups(g):
                      np.linspace(-1e-38, 1e-38, g)]).astype(np.float32)
 
 
+def test_built_against_the_runtime_jaxlib():
+    """The custom-call modules were compiled against the XLA FFI headers of the jaxlib they run
+    with (CMakeLists.txt takes the installed jaxlib's; reinstall after changing jaxlib)."""
+    import jaxlib
+
+    from echo_jax import p2p_cuda
+    modules = {"echo_jax._ffi": p2p.build_info(), "echo_jax._ffi_cuda": p2p_cuda.build_info()}
+    for name, info in modules.items():
+        if not info:
+            continue  # the CUDA handlers are built only where nvcc is found
+        assert len(info["xla_ffi_api"]) == 2, (name, info)
+        if info["jaxlib"] == "unknown":
+            pytest.skip(f"{name} was built without recording its headers' jaxlib (not CMake)")
+        assert info["jaxlib"] == jaxlib.__version__, (
+            f"{name} was compiled against the FFI headers of jaxlib {info['jaxlib']} but runs "
+            f"with jaxlib {jaxlib.__version__}: reinstall (pip install -e .)")
+
+
 @pytest.mark.parametrize("g", [2, 8, 128])
 def test_cpp_quantizer_matches_reference(g):
     from echo_jax import _ffi
