@@ -49,8 +49,10 @@ coords int32 [2] = (axis_index(axis), group id), the group id numbering the othe
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
+import re
 import threading
 
 import jax
@@ -127,6 +129,9 @@ def unavailable_reason(axis_name=None) -> str | None:
     """
     if _ffi is None:
         return _IMPORT_ERROR
+    mismatch = build_mismatch(build_info(), "echo_jax._ffi")
+    if mismatch is not None:
+        return mismatch
     if jax.process_count() > 1:
         return (f"this run has {jax.process_count()} processes and the CPU custom call shares "
                 "host memory between the ranks of one process")
@@ -157,6 +162,9 @@ def _gpu_unavailable_reason(axis_name) -> str | None:
     from echo_jax import p2p_cuda
     if not p2p_cuda.available():
         return "the CUDA handlers (echo_jax._ffi_cuda) are not built: install where nvcc is found"
+    mismatch = build_mismatch(p2p_cuda.build_info(), "echo_jax._ffi_cuda")
+    if mismatch is not None:
+        return mismatch
     if axis_name is None:
         return None
     size = jax.sharding.get_abstract_mesh().shape[axis_name]
@@ -393,11 +401,43 @@ def build_info() -> dict:
     return dict(_ffi.build_info()) if _ffi is not None else {}
 
 
+@functools.lru_cache(maxsize=None)
+def runtime_ffi_api() -> tuple[int, int] | None:
+    """(major, minor) XLA FFI API version of the running jaxlib, read from the headers it ships
+    (`jax.ffi.include_dir()`); None where they cannot be read."""
+    try:
+        with open(os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")) as f:
+            text = f.read()
+    except (OSError, AttributeError):
+        return None
+    found = [re.search(rf"#define\s+XLA_FFI_API_{part}\s+(\d+)", text)
+             for part in ("MAJOR", "MINOR")]
+    return None if None in found else (int(found[0].group(1)), int(found[1].group(1)))
+
+
+def build_mismatch(info: dict, module: str) -> str | None:
+    """Why the running XLA would reject the handlers of a module built with these headers (None
+    when it accepts them). XLA registers a handler of its own FFI API major version and a minor
+    version up to its own: a module built against an older jaxlib's headers runs under a newer
+    jaxlib, one built against a newer jaxlib's headers is refused by an older one."""
+    runtime = runtime_ffi_api()
+    if not info or runtime is None:
+        return None
+    built = tuple(int(v) for v in info["xla_ffi_api"])
+    if built[0] == runtime[0] and built[1] <= runtime[1]:
+        return None
+    import jaxlib
+    return (f"{module} was compiled against the XLA FFI headers of jaxlib {info['jaxlib']} "
+            f"(FFI API {built[0]}.{built[1]}), which this jaxlib {jaxlib.__version__} (FFI API "
+            f"{runtime[0]}.{runtime[1]}) refuses; reinstall echo_jax (`pip install -e .`) with "
+            "this jaxlib installed, so that it is rebuilt against its headers")
+
+
 def registry_stats() -> dict:
     """Counts of the CPU handler's persistent workspaces, joins in flight and bindings."""
     return dict(_ffi.registry_stats()) if _ffi is not None else {}
 
 
 __all__ = ["choose", "unavailable_reason", "limit_reason", "available_platforms", "p2p_allreduce",
-           "p2p_allreduce_compensated", "debug_absent_rank", "build_info", "registry_stats",
-           "TIMEOUT_ENV", "POLICY_CODES"]
+           "p2p_allreduce_compensated", "debug_absent_rank", "build_info", "runtime_ffi_api",
+           "build_mismatch", "registry_stats", "TIMEOUT_ENV", "POLICY_CODES"]

@@ -133,6 +133,26 @@ def test_built_against_the_runtime_jaxlib():
         assert info["jaxlib"] == jaxlib.__version__, (
             f"{name} was compiled against the FFI headers of jaxlib {info['jaxlib']} but runs "
             f"with jaxlib {jaxlib.__version__}: reinstall (pip install -e .)")
+        assert tuple(info["xla_ffi_api"]) == p2p.runtime_ffi_api(), (name, info)
+        assert p2p.build_mismatch(info, name) is None
+
+
+def test_a_module_the_runtime_refuses_falls_back_with_the_reason(monkeypatch):
+    """A module built against a newer jaxlib's FFI headers than the runtime's is refused by XLA
+    at registration (seen: a jaxlib 0.12 build under jaxlib 0.11.2). The custom call then counts
+    as unavailable: "auto" runs "xla" (the same bits), "p2p" says why and what to do."""
+    major, minor = p2p.runtime_ffi_api()
+    newer = {"jaxlib": "99.0", "xla_ffi_api": (major, minor + 1)}
+    assert p2p.build_mismatch({"jaxlib": "x", "xla_ffi_api": (major, minor)}, "m") is None
+    if minor > 0:  # older headers: XLA accepts them (a jaxlib 0.11.2 build runs under 0.12)
+        assert p2p.build_mismatch({"jaxlib": "x", "xla_ffi_api": (major, minor - 1)}, "m") is None
+    assert p2p.build_mismatch({"jaxlib": "x", "xla_ffi_api": (major + 1, 0)}, "m") is not None
+    monkeypatch.setattr(p2p, "build_info", lambda: newer)
+    reason = p2p.unavailable_reason("tp")
+    assert "jaxlib 99.0" in reason and "pip install -e ." in reason, reason
+    assert p2p.choose(ej.EchoConfig(transport="auto"), "tp") == "xla"
+    with pytest.raises(ValueError, match="rebuilt against its headers"):
+        p2p.choose(ej.EchoConfig(transport="p2p"), "tp")
 
 
 @pytest.mark.parametrize("g", [2, 8, 128])
