@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import echo_jax as ej
 from echo_jax import quant
-from np_reference import allreduce_error_bound, coefficients, element_error_bound, max_scale
+from np_reference import allreduce_error_bound, element_error_bound, max_scale
 from conftest import make_mesh, put
 
 POLICIES = ("asym", "sym", "asym_naive")
