@@ -58,3 +58,42 @@ def element_error_bound(groups, bits, policy, scale=None):
     if policy == "asym":
         half = np.where(straddles(x)[..., None], np.minimum(half, np.abs(x)), half)
     return half + 2.0 ** -21 * np.abs(x).max(-1, keepdims=True) + 1e-30
+
+
+def coefficients(config):
+    """The fp32 constants of Algorithm 1 from an EchoConfig's fields (float64, rounded once), as
+    the Echo paper's Eqs. 10 / 11 name them: (eta a, eta (1 - a), beta1, 1 - beta1, beta2,
+    1 - beta2). Written from the config, never from `echo_jax.compensator.Coefficients`."""
+    e, a, b1, b2 = (float(v) for v in (config.eta, config.blend, config.beta1, config.beta2))
+    f = np.float32
+    return f(e * a), f(e * (1.0 - a)), f(b1), f(1.0 - b1), f(b2), f(1.0 - b2)
+
+
+def allreduce_error_bound(x, bits, group_size, policy):
+    """Per-element bound on |echo_psum(x) - sum_i x_i| (Eq. 1) from the data alone, float64.
+
+    x: [P, ...] per-rank contributions. The wire layout (collective.py's docstring): flattened,
+    padded with zeros to P segments of the same number of whole groups, segment j owned by rank
+    j. The owner adds the P - 1 copies it received (each off by at most half a step of its
+    group, `max_scale`) to its own full-precision segment, then the sum is quantized once more;
+    that sum's range is at most the exact range widened by the push errors. Each step is at most
+    what Eq. 8 / Eq. 9 allow for its group, never the code's own scales.
+    """
+    nr = x.shape[0]
+    flat = np.asarray(x, np.float32).reshape(nr, -1)
+    n = flat.shape[1]
+    groups = -(-max(n, 1) // group_size)
+    gs = -(-groups // nr)                                           # groups per segment
+    padded = nr * gs * group_size
+    segs = np.pad(flat, ((0, 0), (0, padded - n))).reshape(nr, nr, gs, group_size)
+    s_in = max_scale(segs, bits, policy)                            # [rank, owner, group]
+    exact = segs.astype(np.float64).sum(0)                          # [owner, group, g]
+    # Push errors of the P - 1 copies that crossed a link (the owner's own copy is exact).
+    own = np.arange(nr)[:, None, None] == np.arange(nr)[None, :, None]
+    push = 0.5 * np.where(own, 0.0, s_in).sum(0)                    # [owner, group]
+    amax = np.abs(exact).max(-1) + push
+    rng = exact.max(-1) - exact.min(-1) + 2 * push
+    s_sum = rng / (2 ** bits - 1) if policy != "sym" else amax / (2 ** (bits - 1) - 1)
+    s_sum = np.maximum(s_sum, amax * 2.0 ** -10) * (1 + 2 ** -9)
+    bound = push + 0.5 * s_sum + 1e-6 * (1 + amax)
+    return np.broadcast_to(bound[..., None], exact.shape).reshape(-1)[:n].reshape(x.shape[1:])

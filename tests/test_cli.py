@@ -273,8 +273,43 @@ def test_eval_rotation_flag(run, capsys):
     r = read_json(run / "eval_h.json")
     assert r["config"]["comm"]["echo"]["rotation"] == "hadamard"
     assert r["wire_bits_per_element"] == pytest.approx(4.25)
+    # Recorded and applied: the same evaluation without the rotation scores differently.
+    assert E.main([*common, "--json", str(run / "eval_n.json")]) == 0
+    n = read_json(run / "eval_n.json")
+    assert n["config"]["comm"]["echo"]["rotation"] == "none"
+    assert n["nll"] != r["nll"] and n["tokens"] == r["tokens"]
     assert E.main([*common, "--rotation", "hadamard", "--group-size", "96"]) == 1
     assert "group_size" in capsys.readouterr().err
+
+
+def test_rotation_flag_changes_the_sites():
+    """--rotation hadamard, parsed as the CLIs parse it, changes what the sites compute: the
+    model's logits differ from the same run with --rotation none (and both from the exact
+    model), which the recorded config alone would not show."""
+    import jax
+
+    from models import model as M
+    from models.train import comm_from_args
+
+    cfg = get_config("tiny")
+    params = M.shard_params(M.init_params(jax.random.key(7), cfg), 2, cfg)
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 32)).astype(np.int32)
+
+    def run(*flags):
+        args = E.build_parser().parse_args(["--checkpoint", "unused", "--tp", "2", "--simulate",
+                                            "--transport", "xla", *flags])
+        comm = comm_from_args(args)
+        return comm, np.asarray(M.apply_simulated(params, tokens, cfg, comm))
+
+    _, exact = run("--bits", "16")
+    c_none, none = run("--bits", "4", "--rotation", "none")
+    c_had, had = run("--bits", "4", "--rotation", "hadamard")
+    assert c_had.echo.rotation == "hadamard" and c_none.echo.rotation == "none"
+    assert not np.array_equal(had, none) and not np.array_equal(had, exact)
+    # Both stay near the exact model (4-bit sites, random weights): the rotation is a change of
+    # basis around the same quantizer, not a different model.
+    scale = np.abs(exact).max()
+    assert np.abs(had - exact).max() < 0.5 * scale and np.abs(none - exact).max() < 0.5 * scale
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 from jax import lax
 
 import echo_jax as ej
-from echo_jax.compensator import Coefficients
+from np_reference import coefficients
 
 
 def vmapped(cfg):
@@ -23,30 +23,40 @@ def nonzero_state(x, seed=0):
 
 @pytest.mark.parametrize("nranks", [3, 4])
 def test_state_update_is_eq_11_exactly(nranks):
+    # The coefficients come from the config's fields (np_reference), not from the code's
+    # Coefficients: a wrong beta there would otherwise be its own reference.
     cfg = ej.EchoConfig(bits=4, transport="xla")
     x = jax.random.normal(jax.random.key(1), (nranks, 777))
     st = nonzero_state(x)
     y, new = vmapped(cfg)(x, st)
-    k = Coefficients.from_config(cfg)
+    ea, eb, b1, c1, b2, c2 = coefficients(cfg)
     f32 = np.float32
     xn, m1, m2, yn = (np.asarray(a, f32) for a in (x, st.m1, st.m2, y))
-    xp = xn + ((k.ea * m1).astype(f32) + (k.eb * m2).astype(f32))          # Eq. 10
+    xp = xn + ((ea * m1).astype(f32) + (eb * m2).astype(f32))              # Eq. 10
     u = xp - (yn * f32(1.0 / nranks)).astype(f32)                        # residual, Sec. 3.3
-    np.testing.assert_array_equal(np.asarray(new.m1), (k.b1 * m1).astype(f32) + (k.c1 * u).astype(f32))
-    np.testing.assert_array_equal(np.asarray(new.m2), (k.b2 * m2).astype(f32) + (k.c2 * u).astype(f32))
+    np.testing.assert_array_equal(np.asarray(new.m1), (b1 * m1).astype(f32) + (c1 * u).astype(f32))
+    np.testing.assert_array_equal(np.asarray(new.m2), (b2 * m2).astype(f32) + (c2 * u).astype(f32))
 
 
 def test_residuals_sum_to_minus_delta():
+    """Eq. 4 on the residuals the code stored: u_i is recovered from the returned state
+    (m_new = beta m + (1 - beta) u, solved for u in float64 with the config's betas), so a state
+    built from anything but x'_i - y / P fails, whatever y is."""
     cfg = ej.EchoConfig(bits=4, transport="xla")
     nranks = 4
     x = jax.random.normal(jax.random.key(2), (nranks, 2048))
     st = nonzero_state(x, 1)
-    y, _ = vmapped(cfg)(x, st)
-    k = Coefficients.from_config(cfg)
-    xp = np.asarray(x) + k.ea * np.asarray(st.m1) + k.eb * np.asarray(st.m2)
-    delta = np.asarray(y[0], np.float64) - xp.astype(np.float64).sum(0)     # Eq. 1
-    u = xp - np.asarray(y) / nranks
-    np.testing.assert_allclose(u.astype(np.float64).sum(0), -delta, atol=2e-5)  # Eq. 4
+    y, new = vmapped(cfg)(x, st)
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    e, a, b1, b2 = cfg.eta, cfg.blend, cfg.beta1, cfg.beta2
+    xp = f64(x) + e * (a * f64(st.m1) + (1 - a) * f64(st.m2))              # Eq. 10, float64
+    delta = f64(y[0]) - xp.sum(0)                                         # Eq. 1
+    u1 = (f64(new.m1) - b1 * f64(st.m1)) / (1 - b1)                       # Eq. 11 solved for u
+    u2 = (f64(new.m2) - b2 * f64(st.m2)) / (1 - b2)
+    # fp32 rounding of x' (Eq. 10 in fp32) and of the two products of Eq. 11: a few 1e-7.
+    np.testing.assert_allclose(u1.sum(0), -delta, rtol=0, atol=1e-5)     # Eq. 4
+    np.testing.assert_allclose(u2.sum(0), -delta, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(u1, xp - f64(y) / nranks, rtol=0, atol=3e-6)
     assert np.abs(delta).max() > 1e-2  # the check is not vacuous
 
 
@@ -70,8 +80,8 @@ def chain(cfg, compensated, sites=56, nranks=4, width=4096, seed=0):
     xs = jax.random.normal(jax.random.key(seed), (sites, nranks, width)) * 0.5 + 0.1
 
     def site(state, x):
-        k = Coefficients.from_config(cfg)
-        xp = x + (k.ea * state.m1 + k.eb * state.m2) if compensated else x
+        ea, eb = coefficients(cfg)[:2]    # Eq. 10 from the config's fields
+        xp = x + (ea * state.m1 + eb * state.m2) if compensated else x
         if compensated:
             y, state = ej.echo_psum(x, "tp", config=cfg, state=state)
         else:

@@ -176,7 +176,9 @@ def test_error_process_writes_per_site_arrays(text_file, tmp_path):
         assert set(X.SITE_KEYS) | {"delta_median", "partial_sum_median"} <= set(sites)
         assert all(len(v) == n for v in sites.values())
     assert max(r["per_site"]["exact"]["delta"]) == 0.0          # the exact sum injects nothing
-    none = r["per_site"]["4bit-none"]                            # uncompensated: rho = delta
+    # Uncompensated rho = delta by definition (C_k = 0); the measured values themselves are
+    # checked against a NumPy replay in test_instrumented_sites_match_a_numpy_replay.
+    none = r["per_site"]["4bit-none"]
     np.testing.assert_allclose(none["rho"], none["delta"], rtol=1e-6)
     last = r["rows"][-1]
     assert "theorem1_factor" in last and "eq21_factor" in last and "token_ratio_median" in last
@@ -192,6 +194,49 @@ def test_instrumented_forward_equals_the_model():
         want = np.asarray(M.apply_simulated(params, tokens, cfg, v.comm))
         got = X.measure_error_process(params, tokens, cfg, v.comm)
         np.testing.assert_allclose(got["logits"], want, rtol=1e-5, atol=1e-6, err_msg=v.key)
+
+
+def test_instrumented_sites_match_a_numpy_replay():
+    """The per-site measurements of the error-process study against a replay in NumPy float64:
+    a hook taps every rank's contribution x_k,i and the all-reduced y_k; Algorithm 1 is
+    replayed from those (c = eta (a m1 + (1 - a) m2), u = x' - y / P, Eq. 11, from the config's
+    fields, zero state at the first site), and rho_k = y_k - sum_i x_k,i, delta_k = y_k -
+    sum_i x'_k,i and S_t = sum rho_k are measured per token."""
+    tp = 2
+    cfg = get_config("tiny")
+    params = M.shard_params(M.init_params(jax.random.key(5), cfg), tp, cfg)
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 16)).astype(np.int32)
+    modes = {v.key: v for v in X.error_process_modes(tp)}
+    def tap(part, y, _):
+        return part.astype(jax.numpy.float32), y.astype(jax.numpy.float32)
+
+    for key in ("4bit-none", "4bit-comp"):
+        comm = modes[key].comm
+        fn = jax.jit(jax.vmap(lambda p, t: X.instrumented_forward(p, t, cfg, comm, hook=tap)[3],
+                              in_axes=(0, None), axis_name=comm.axis_name))
+        sites = jax.device_get(fn(params, tokens))
+        parts, ys = (np.asarray(a, np.float64) for a in sites["hook"])   # [P, 2L, B, T, D]
+        e = comm.echo
+        eta = e.eta if e.compensated and comm.compensate_forward else 0.0
+        m1 = m2 = np.zeros(parts.shape[:1] + parts.shape[2:])
+        s_sum = 0.0
+        norm = lambda v: np.linalg.norm(v, axis=-1)  # noqa: E731
+        for k in range(parts.shape[1]):
+            x, y = parts[:, k], ys[0, k]
+            xp = x + eta * (e.blend * m1 + (1 - e.blend) * m2)          # Eq. 10
+            u = xp - y / tp                                              # Eq. 4
+            m1 = e.beta1 * m1 + (1 - e.beta1) * u                        # Eq. 11
+            m2 = e.beta2 * m2 + (1 - e.beta2) * u
+            rho = y - x.sum(0)
+            s_sum = s_sum + rho
+            for name, want in (("rho", norm(rho)), ("delta", norm(y - xp.sum(0))),
+                               ("partial_sum", norm(s_sum))):
+                got = np.asarray(sites[name][0, k], np.float64)
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6,
+                                           err_msg=f"{key} site {k} {name}")
+        d, r = sites["delta"][0, 1:], sites["rho"][0, 1:]
+        if eta:  # the correction is live: after the first site delta and rho differ
+            assert np.mean(np.abs(d - r)) > 0.1 * np.mean(d)
 
 
 def test_instrumented_forward_under_shard_map():

@@ -31,24 +31,27 @@ def reference_loss(params, x):
     return jnp.sum(jnp.sin(h))
 
 
-def tp_loss(cfg, choices=None):
-    """Loss of the 2-layer MLP stack with Megatron f/g sites; also returns the final states."""
+def tp_loss(cfg, choices=None, layer_configs=None):
+    """Loss of the 2-layer MLP stack with Megatron f/g sites; also returns the final states.
+
+    layer_configs: a static config per layer instead (no switch), the reference of `choices`."""
     def local(params, x, bs0):
         h, fs, bs = x, ej.init_state(x), bs0
         for layer in range(len(params) // 2):
             c = None if choices is None else jnp.int32(choices[layer])
-            hin, bs = tp.backward_site(h, "tp", cfg, bs, choice=c)           # f
+            lc = cfg if layer_configs is None else layer_configs[layer]
+            hin, bs = tp.backward_site(h, "tp", lc, bs, choice=c)            # f
             part = jax.nn.gelu(hin @ params[2 * layer]) @ params[2 * layer + 1]
-            y, fs = tp.forward_site(part, "tp", cfg, fs, choice=c)            # g
+            y, fs = tp.forward_site(part, "tp", lc, fs, choice=c)             # g
             h = h + y
         return jnp.sum(jnp.sin(h))
     return local
 
 
-def shard_map_loss(cfg, nranks, choices=None, layers=2):
+def shard_map_loss(cfg, nranks, choices=None, layers=2, layer_configs=None):
     mesh = make_mesh((nranks,), ("tp",))
     specs = (P(None, "tp"), P("tp", None)) * layers
-    return jax.shard_map(tp_loss(cfg, choices), mesh=mesh,
+    return jax.shard_map(tp_loss(cfg, choices, layer_configs), mesh=mesh,
                          in_specs=(specs, P(), P()), out_specs=P())
 
 
@@ -65,10 +68,14 @@ def test_exact_mode_gradients_equal_unsharded(nranks):
     np.testing.assert_allclose(np.asarray(gx), np.asarray(ref_gx), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("bits,tol", [(8, 0.03), (4, 0.4)])
-def test_echo_gradients_within_tolerance(bits, tol):
+# Measured relative errors per weight (4 ranks, seed 1): 0.007-0.008 at 8 bits, 0.12-0.145 at
+# 4 bits (the same bits on both transports). The tolerances are about 1.4x those: a quantizer
+# with twice the step (0.015-0.018 and 0.26-0.30) fails them.
+@pytest.mark.parametrize("bits,tol,transport", [(8, 0.012, "auto"), (4, 0.2, "auto"),
+                                                (4, 0.2, "xla")])
+def test_echo_gradients_within_tolerance(bits, tol, transport):
     params, x = make_params(1)
-    f = shard_map_loss(ej.EchoConfig(bits=bits), 4)
+    f = shard_map_loss(ej.EchoConfig(bits=bits, transport=transport), 4)
     g = jax.jit(jax.grad(f))(params, x, ej.init_state(x))
     ref = jax.grad(reference_loss)(params, x)
     for a, b in zip(g, ref):
@@ -106,21 +113,35 @@ def test_simulation_with_vmap_matches_shard_map():
 
 
 def test_per_layer_bits_choice():
+    """A traced per-layer choice runs exactly the chosen config at both sites of each layer:
+    loss and gradients equal, bit for bit, those of the same stack with that config written
+    statically per layer (no switch), and the swapped choice is the swapped static stack."""
     params, x = make_params(4)
     configs = tp.early_8bit_configs(ej.EchoConfig(bits=4))
     assert configs[0].bits == 8 and configs[1].bits == 4
+    assert configs[0].replace(bits=4) == configs[1]
     assert [int(tp.early_8bit_choice(i, 4)) for i in range(4)] == [0, 0, 1, 1]
-    f_mixed = shard_map_loss(configs, 4, choices=(0, 1))
-    f_8 = shard_map_loss(configs[0], 4)
-    f_4 = shard_map_loss(configs[1], 4)
+    assert [int(tp.early_8bit_choice(i, 3)) for i in range(3)] == [0, 0, 1]
     bs0 = ej.init_state(x)
-    ref = reference_loss(params, x)
-    errs = {name: abs(float(jax.jit(f)(params, x, bs0)) - float(ref))
-            for name, f in (("mixed", f_mixed), ("8", f_8), ("4", f_4))}
-    assert errs["8"] < errs["mixed"] or errs["mixed"] < errs["4"]
-    choice_all_8 = shard_map_loss(configs, 4, choices=(0, 0))
-    np.testing.assert_array_equal(np.asarray(jax.jit(choice_all_8)(params, x, bs0)),
-                                  np.asarray(jax.jit(f_8)(params, x, bs0)))
+
+    def run(f):
+        val, grads = jax.jit(jax.value_and_grad(f))(params, x, bs0)
+        return [np.asarray(val)] + [np.asarray(g) for g in grads]
+
+    def same(a, b):
+        return all(np.array_equal(u, v) for u, v in zip(a, b))
+
+    mixed = run(shard_map_loss(configs, 4, choices=(0, 1)))
+    swapped = run(shard_map_loss(configs, 4, choices=(1, 0)))
+    static_84 = run(shard_map_loss(None, 4, layer_configs=(configs[0], configs[1])))
+    static_48 = run(shard_map_loss(None, 4, layer_configs=(configs[1], configs[0])))
+    assert same(mixed, static_84), "choices (0, 1) are not 8-bit then 4-bit"
+    assert same(swapped, static_48), "choices (1, 0) are not 4-bit then 8-bit"
+    # The two orders differ in the forward value and in every gradient.
+    assert not np.array_equal(mixed[0], swapped[0])
+    assert all(not np.array_equal(u, v) for u, v in zip(mixed[1:], swapped[1:]))
+    all_8 = run(shard_map_loss(configs, 4, choices=(0, 0)))
+    assert same(all_8, run(shard_map_loss(configs[0], 4)))
 
 
 def scanned_loss(cfg, nranks, layers):

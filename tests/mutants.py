@@ -1,0 +1,269 @@
+"""In-memory mutants of echo_jax and models, and the tests of the suite that must kill each one.
+
+Loaded as a pytest plugin (``-p mutants``, with tests/ on sys.path) by tests/test_mutants.py:
+with ``ECHO_JAX_MUTANT=<name>`` in the environment it rewrites one function of the library in
+memory before any test runs (the source text of the function with one change, compiled into its
+own module), so the named tests run against a broken implementation. Nothing on disk changes,
+and without the variable the plugin does nothing.
+
+Each entry of `MUTANTS` is (what the mutant breaks, how it is applied, the node ids of the tests
+that must fail on it). The killers are the tests that check the claim against an independent
+reference (NumPy float64 quantities, an analytic or unsharded gradient, a replay of Algorithm 1),
+not against another output of the code under test.
+"""
+
+from __future__ import annotations
+
+import __future__
+import inspect
+import os
+import sys
+import textwrap
+
+ENV = "ECHO_JAX_MUTANT"
+
+
+def _replace_everywhere(old, new):
+    """Rebind every module-level name bound to `old` (re-exports included) to `new`."""
+    for mod in list(sys.modules.values()):
+        name = getattr(mod, "__name__", "") or ""
+        if not (name.startswith("echo_jax") or name.startswith("models")):
+            continue
+        for attr, value in list(vars(mod).items()):
+            if value is old:
+                setattr(mod, attr, new)
+
+
+def mutate(module, name, *edits, owner=None):
+    """Recompile `module.name` (or `owner.name`, a method) with each (old, new) edit applied.
+
+    The source must contain every `old` exactly once. Decorators are part of the recompiled
+    source, so a rule registered by a decorator (``@f.defjvp``) is registered again, mutated.
+    Returns the new object.
+    """
+    holder = module if owner is None else owner
+    obj = inspect.getattr_static(holder, name)
+    func = obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
+    src = textwrap.dedent(inspect.getsource(func))
+    for old, new in edits:
+        if src.count(old) != 1:
+            raise RuntimeError(f"mutant of {module.__name__}.{name}: expected one occurrence "
+                               f"of {old!r}, found {src.count(old)}")
+        src = src.replace(old, new)
+    if owner is not None and isinstance(obj, classmethod) and not src.lstrip().startswith("@"):
+        src = "@classmethod\n" + src
+    namespace = {}
+    code = compile(src, f"<mutant of {module.__name__}.{name}>", "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    exec(code, vars(module), namespace)  # noqa: S102 - the point of a mutant
+    mutated = namespace[name]
+    if owner is not None:
+        setattr(owner, name, mutated)
+    else:
+        _replace_everywhere(obj, mutated)
+        setattr(module, name, mutated)
+    return mutated
+
+
+# --------------------------------------------------------------------------------------------
+# The mutants
+
+
+def _doubled_scale():
+    from echo_jax import quant
+    mutate(quant, "quantize_groups",
+           ("f16_round_up(s_raw)", "f16_round_up(2 * s_raw)"),
+           ("f16_round_up(amax * np.float32(1.0 / qmax))",
+            "f16_round_up(2 * amax * np.float32(1.0 / qmax))"))
+
+
+def _naive_zero_point():
+    from echo_jax import quant
+    mutate(quant, "quantize_groups",
+           ("jnp.where((lo < 0) & (hi > 0), jnp.round(zn), zn)", "zn"))
+
+
+def _own_segment_quantized():
+    from echo_jax import collective
+    mutate(collective, "xla_allreduce",
+           ("lax.dynamic_index_in_dim(segs, me, 0, keepdims=False)",
+            "lax.dynamic_index_in_dim(copies, me, 0, keepdims=False)"))
+
+
+def _wrong_beta():
+    from echo_jax import compensator
+    mutate(compensator, "from_config",
+           ("f(config.beta1), f(1.0 - config.beta1)", "f(config.beta2), f(1.0 - config.beta1)"),
+           owner=compensator.Coefficients)
+
+
+def _straight_through_3t():
+    from echo_jax import collective
+    mutate(collective, "_allreduce_f32_jvp", ("lax.psum(t, axis)", "3 * t"))
+
+
+def _straight_through_fused():
+    from echo_jax import collective
+    mutate(collective, "_fused_allreduce_f32_jvp",
+           ("(lax.psum(tangents[0], axis),", "(tangents[0],"))
+
+
+def _swapped_backward_choice():
+    from echo_jax import tp
+    bwd = mutate(tp, "_backward_site_bwd",
+                 ("_reduce_switch(ct_x, axis, config, choice,",
+                  "_reduce_switch(ct_x, axis, config, None if choice is None else 1 - choice,"))
+    tp._backward_site.defvjp(tp._backward_site_fwd, bwd)
+
+
+def _pytree_later_leaves_uncompensated():
+    from echo_jax import collective
+    mutate(collective, "echo_psum",
+           ("pairs = [_echo_leaf(leaf, s, axis, config, rescale) for leaf, s in zip(leaves, "
+            "states)]",
+            "pairs = [_echo_leaf(leaf, s, axis, config, rescale) if i == 0 else "
+            "(_echo_leaf(leaf, None, axis, config, rescale)[0], s) "
+            "for i, (leaf, s) in enumerate(zip(leaves, states))]"))
+
+
+def _demo_delta_uncorrected():
+    from echo_jax import demo
+    mutate(demo, "_site_step",
+           ("injected = lax.psum(comp.apply_correction(x, state, k), AXIS)", "injected = exact"))
+
+
+def _experiments_delta_uncorrected():
+    from models import experiments
+    mutate(experiments, "instrumented_forward",
+           ("injected = lax.psum(comp.apply_correction(part.astype(f32), state, coef), axis)",
+            "injected = exact"))
+
+
+def _cli_rotation_not_applied():
+    from models import config
+    mutate(config, "_site_configs",
+           ("cfg = self.echo if compensate else self.echo.replace(eta=0.0)",
+            "cfg = (self.echo if compensate else self.echo.replace(eta=0.0)).replace("
+            "rotation='none')"), owner=config.CommConfig)
+
+
+def _bench_identity_vacuous():
+    from echo_jax import bench
+    mutate(bench, "_compare", ("jnp.all(bits == bits[:1])", "jnp.all(bits == bits)"))
+
+
+def _p2p_transient_ulp():
+    """The custom call returns one element 1 ulp off at one call of a long loop (a transient
+    fault, e.g. a stale workspace read): counted on the host through an io_callback."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import io_callback
+
+    from echo_jax import p2p
+
+    original = p2p.p2p_allreduce
+    calls = {"n": 0}
+
+    def tick():
+        calls["n"] += 1
+        return np.bool_(40 <= calls["n"] < 48)  # loop step 5 of 500 (2 calls x 4 ranks a step)
+
+    def p2p_allreduce(x_flat32, axis, num_ranks, config):
+        y = original(x_flat32, axis, num_ranks, config)
+        bad = io_callback(tick, jax.ShapeDtypeStruct((), jnp.bool_), ordered=False)
+        first = jnp.where(bad, jnp.nextafter(y[0], jnp.float32(jnp.inf)), y[0])
+        return y.at[0].set(first)
+
+    _replace_everywhere(original, p2p_allreduce)
+
+
+C = "tests/test_collective.py::"
+Q = "tests/test_quant.py::"
+MUTANTS = {
+    # (what it breaks, apply, killers: every one must fail)
+    "doubled_scale": (
+        "the quantizer's scale is twice what Eq. 8 / Eq. 9 give",
+        _doubled_scale,
+        [Q + "test_roundtrip_error_within_step[normal-asym-4]",
+         C + "test_identical_ranks_and_bounded_error[asym-4-2]",
+         C + "test_typed_shard_map_result_is_invariant_like_psum[xla]",
+         C + "test_dtypes_and_odd_shapes[3-shape3-float32]",
+         "tests/test_rotation.py::test_identical_ranks_and_transports[2-4-1000-float32]",
+         "tests/test_tp.py::test_echo_gradients_within_tolerance[4-0.2-xla]"]),
+    "naive_zero_point": (
+        "the zero-aware policy keeps the naive zero-point in straddling groups",
+        _naive_zero_point,
+        [Q + "test_zero_aware_outlier_group_keeps_zero_and_near_zero_values[1.0-4]",
+         C + "test_outlier_token_error_bound_zero_aware"]),
+    "own_segment_quantized": (
+        "the owner adds its own segment quantized instead of in full precision",
+        _own_segment_quantized,
+        [C + "test_identical_ranks_and_bounded_error[asym-4-2]",
+         C + "test_identical_ranks_and_bounded_error[sym-8-3]"]),
+    "wrong_beta": (
+        "the state update decays m1 with beta2 instead of beta1",
+        _wrong_beta,
+        ["tests/test_compensator.py::test_state_update_is_eq_11_exactly[4]",
+         "tests/test_compensator.py::test_residuals_sum_to_minus_delta",
+         "tests/test_rotation.py::test_compensator_state_semantics_in_the_original_basis",
+         C + "test_pytrees"]),
+    "straight_through_3t": (
+        "the straight-through rule returns 3 t instead of psum(t)",
+        _straight_through_3t,
+        [C + "test_straight_through_gradient_values[xla-plain]",
+         C + "test_straight_through_gradient_values[p2p-plain]",
+         C + "test_jit_grad_scan_remat"]),
+    "straight_through_fused": (
+        "the fused custom call's derivative is t instead of psum(t)",
+        _straight_through_fused,
+        [C + "test_straight_through_gradient_values[p2p-compensated]"]),
+    "swapped_backward_choice": (
+        "the backward (f) sites of a per-layer policy run the other layer's config",
+        _swapped_backward_choice,
+        ["tests/test_tp.py::test_per_layer_bits_choice"]),
+    "pytree_later_leaves_uncompensated": (
+        "only the first leaf of a pytree is compensated; the others keep their state",
+        _pytree_later_leaves_uncompensated,
+        [C + "test_pytrees"]),
+    "demo_delta_uncorrected": (
+        "the demo measures delta_k against the uncorrected contributions",
+        _demo_delta_uncorrected,
+        ["tests/test_demo.py::test_rows_match_an_independent_replay"]),
+    "experiments_delta_uncorrected": (
+        "the error-process study measures delta_k against the uncorrected contributions",
+        _experiments_delta_uncorrected,
+        ["tests/test_experiments.py::test_instrumented_sites_match_a_numpy_replay"]),
+    "cli_rotation_not_applied": (
+        "--rotation is recorded in the config but the sites run unrotated",
+        _cli_rotation_not_applied,
+        ["tests/test_cli.py::test_rotation_flag_changes_the_sites"]),
+    "bench_identity_vacuous": (
+        "the benchmark's bit-identity check compares every rank with itself",
+        _bench_identity_vacuous,
+        ["tests/test_bench.py::test_compare_against_numpy"]),
+    "p2p_transient_ulp": (
+        "the custom call is 1 ulp off at a few calls in the middle of a long loop",
+        _p2p_transient_ulp,
+        ["tests/test_p2p_cpu.py::test_repeated_calls_stay_correct"]),
+}
+
+
+def pytest_configure(config):
+    name = os.environ.get(ENV)
+    if not name:
+        return
+    if name not in MUTANTS:
+        raise RuntimeError(f"{ENV}={name!r}: no such mutant (have {sorted(MUTANTS)})")
+    MUTANTS[name][1]()
+
+
+def pytest_report_header(config):
+    name = os.environ.get(ENV)
+    return f"mutant: {name} ({MUTANTS[name][0]})" if name in MUTANTS else None
+
+
+def pytest_terminal_summary(terminalreporter):
+    name = os.environ.get(ENV)
+    if name in MUTANTS:
+        terminalreporter.write_line(f"mutant applied: {name}")
