@@ -264,14 +264,7 @@ def test_jit_grad_scan_remat():
     np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-6)
 
 
-RESCALE_NOT_DIFFERENTIABLE = pytest.mark.xfail(
-    strict=True, raises=NotImplementedError,
-    reason="echo_psum(rescale=True) without rotation takes the jvp of the pmax in "
-           "power_of_two_scale (no differentiation rule), although the factor is stop_gradient'ed")
-
-
-@pytest.mark.parametrize("mode", ["plain", "compensated",
-                                  pytest.param("rescale", marks=RESCALE_NOT_DIFFERENTIABLE)])
+@pytest.mark.parametrize("mode", ["plain", "compensated", "rescale"])
 @pytest.mark.parametrize("transport", ["xla", "p2p"])
 def test_straight_through_gradient_values(transport, mode):
     """The derivative of echo_psum is the exact sum's (psum's transpose: the cotangents of all
