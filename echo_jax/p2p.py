@@ -201,7 +201,8 @@ def limit_reason(config: EchoConfig, num_elements: int, num_ranks: int) -> str |
     if g > MAX_GROUP_SIZE:
         return (f"EchoConfig.group_size={g} exceeds the custom call's limit of "
                 f"{MAX_GROUP_SIZE}")
-    seg_groups = -(-(-(-max(num_elements, 1) // g)) // num_ranks)
+    from echo_jax.collective import segment_layout  # the wire layout's one definition
+    seg_groups, _ = segment_layout(num_elements, num_ranks, g)
     if seg_groups * g > MAX_SEGMENT_ELEMS:
         return (f"{num_elements} elements over {num_ranks} ranks make segments of "
                 f"{seg_groups * g} elements, above the custom call's limit of 2^31-1; split the "
@@ -300,7 +301,8 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
     reason = limit_reason(config, n, num_ranks)
     if reason is not None:
         raise ValueError(f"{where}: {reason} (axis {axis!r}); use transport='xla'")
-    seg_groups = -(-(-(-max(n, 1) // config.group_size)) // num_ranks)
+    from echo_jax.collective import segment_layout
+    seg_groups, _ = segment_layout(n, num_ranks, config.group_size)
     return dict(num_ranks=num_ranks, bits=int(config.bits), group_size=int(config.group_size),
                 policy=POLICY_CODES[config.policy], segment_groups=int(seg_groups),
                 site=next(_sites), timeout_ms=_timeout_ms(),
