@@ -163,7 +163,8 @@ def machine_name(device, ranks: int, *, virtual: bool = False, simulated: bool =
 # Timing
 
 
-def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None) -> dict:
+def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None,
+                  carry_state: bool = False) -> dict:
     """Time fn(x) in device-side loops (see the module docstring).
 
     Args:
@@ -172,6 +173,10 @@ def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None) ->
       iters: calls per timed loop.
       repeats: timed loops.
       warmup: calls of the first, untimed loop (it also compiles); default `iters`.
+      carry_state: x is (x, m1, m2) and fn returns (y, m1', m2') (a compensated all-reduce):
+        each call takes the state the previous call returned, and nothing else keeps that state
+        alive, as a model's scan carry does; so XLA may update it in place (the custom call's
+        input_output_aliases) instead of copying it on every call.
 
     Returns:
       dict(median_s, min_s, max_s, loop_s): seconds per call, and each loop's per-call time.
@@ -183,14 +188,17 @@ def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None) ->
     warmup = iters if warmup is None else max(1, int(warmup))
 
     def body(_, carry):
-        v, _ = carry
+        v, out = carry
+        if carry_state:
+            v = (v, out[1], out[2])  # the old state dies here: donated to this call
+            return lax.optimization_barrier((v[0], fn(v)))
         # The whole output is carried, so XLA must compute all of it; the barrier makes the next
         # input depend on it, so nothing is hoisted out of the loop.
         return lax.optimization_barrier((v, fn(v)))
 
     def run(v, n):
         # The first call starts the carry, so the carry has the output's shardings.
-        carry = lax.optimization_barrier((v, fn(v)))
+        carry = lax.optimization_barrier((v[0] if carry_state else v, fn(v)))
         return jax.tree.leaves(lax.fori_loop(1, n, body, carry)[1])[0]
 
     loop = jax.jit(run)
@@ -436,6 +444,11 @@ def bench_allreduce(args) -> dict:
             # a zero state (the first site of a pass), since a live correction moves the result
             # away from this call's exact sum on purpose.
             zeros = place(jnp.zeros((ranks, n), jnp.float32))
+            if args.virtual:
+                # The device's streaming bandwidth at this size (x * 2 over all P rows: read +
+                # write), which turns each row's byte floor into a time floor.
+                copy_s = time_op(lambda v: v * 2.0, zeros, args.iters, args.repeats)
+                copy_bps = 2 * zeros.size * 4 / copy_s
             m1, m2 = zeros, zeros
             for cname in ("p2p4-comp-unfused", "p2p4-comp-fused"):
                 if cname in wanted and cname not in unavailable:
@@ -448,7 +461,8 @@ def bench_allreduce(args) -> dict:
                     continue
                 fn, compensated = table[name]
                 inp = (x, m1, m2) if compensated else x
-                stats = time_op_stats(fn, inp, args.iters, args.repeats, args.warmup)
+                stats = time_op_stats(fn, inp, args.iters, args.repeats, args.warmup,
+                                      carry_state=compensated)
                 out = fn(inp)
                 y = fn((x, zeros, zeros))[0] if compensated else out
                 if ref is None:
@@ -457,6 +471,10 @@ def bench_allreduce(args) -> dict:
                 row = dict(row=name, label=ROW_LABELS[name], size_bytes=size, ranks=ranks,
                            dtype=dtype.name, **stats, max_abs_err=err,
                            bit_identical_across_ranks=bool(identical))
+                if args.virtual:
+                    floor = byte_floor(name, n, ranks, dtype.itemsize)
+                    row.update(floor_bytes=floor, floor_s=floor / copy_bps,
+                               vs_floor=stats["median_s"] * copy_bps / floor)
                 if compensated:
                     outputs[name] = out
                 if name == "p2p4-comp-fused" and "p2p4-comp-unfused" in outputs:
@@ -473,10 +491,15 @@ def bench_allreduce(args) -> dict:
             del x, m1, m2, zeros, ref, outputs
     notes = ["max_abs_err: max over every rank and element of |row - psum row|, in the row's "
              "dtype; bit_identical_across_ranks: every rank returned the same bits",
-             "compensated rows are timed with the compensator state left by one earlier call "
-             "on the same input, and bit_identical_to_unfused compares the fused row's result "
-             "and new state with the unfused row's from that state; their max_abs_err is that "
-             "of a call with a zero state (the first site of a pass)"]
+             "compensated rows are timed with the state each call returns fed to the next "
+             "(donated, as a model's scan carry does), starting from the state left by one "
+             "earlier call on the same input; bit_identical_to_unfused compares the fused row's "
+             "result and new state with the unfused row's from that starting state; their "
+             "max_abs_err is that of a call with a zero state (the first site of a pass)"]
+    if args.virtual:
+        notes.append("floor_s: the row's byte floor (`byte_floor`: bytes every virtual rank "
+                     "must read and write at least) at the streaming bandwidth of x * 2 measured "
+                     "at the same size; vs_floor = median_s / floor_s")
     if args.virtual:
         notes.append("P virtual ranks share one GPU (no interconnect; all traffic is local "
                      "memory); the psum row is a vmap psum (a local reduction of the P rows), "
@@ -490,6 +513,34 @@ def bench_allreduce(args) -> dict:
                 dtype=dtype.name, sizes=list(args.sizes),
                 timing=timing_note(args.iters, args.warmup, args.repeats), notes=notes,
                 rows=rows, unavailable_rows=unavailable, skipped_sizes=skipped)
+
+
+def wire_bytes_per_element(bits: int, group_size: int = 128, policy: str = "asym") -> float:
+    """Bytes on the wire per element: b/8 for the code plus the group's fp16 parameters."""
+    from echo_jax.quant import num_params
+    return bits / 8 + 2 * num_params(policy) / group_size
+
+
+def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
+    """Bytes of device memory that all P virtual ranks of a row must read and write at least.
+
+    Per rank and element of an itemsize-byte contribution, with w wire bytes per element
+    (`wire_bytes_per_element`, g = 128, asym): x is read once and y written once (2 itemsize);
+    the codes are written by the push ((P-1)/P of the message), read by the owners' reduce
+    ((P-1)/P), written by the gather into every rank's slot (1) and read by the tail ((P-1)/P):
+    w (3 (P-1)/P + 1). The compensated rows add the fp32 state: m1, m2 read where x' is formed,
+    x, m1, m2 read again and m1, m2 written where y is produced (24 + itemsize). psum (a local
+    reduction of the P rows under vmap here) reads and writes each row once. The "xla" rows run
+    the same protocol, so their floor is the p2p row's of equal bits.
+    """
+    if row == "psum":
+        return 2 * ranks * n * itemsize
+    bits = 8 if row in ("xla8", "p2p8") else 4
+    w = wire_bytes_per_element(bits)
+    per_element = 2 * itemsize + w * (3 * (ranks - 1) / ranks + 1)
+    if "comp" in row:
+        per_element += 24 + itemsize
+    return int(round(per_element * n * ranks))
 
 
 def _compare(y, ref):
@@ -563,8 +614,8 @@ def gate_summary(result: dict, gate_row: str | None) -> dict:
 
 def format_allreduce_table(result: dict) -> str:
     """The rows as a text table (one line per size and row)."""
-    head = ("size/rank", "row", "median", "speedup", "max|err|", "identical")
-    widths = (9, 18, 12, 8, 10, 9)
+    head = ("size/rank", "row", "median", "speedup", "max|err|", "identical", "byte floor")
+    widths = (9, 18, 12, 8, 10, 9, 20)
     lines = [f"all-reduce on {result['machine']} ({result['device']}), P={result['ranks']}, "
              f"{result['dtype']}",
              "  ".join(h.rjust(w) if i != 1 else h.ljust(w)
@@ -573,8 +624,11 @@ def format_allreduce_table(result: dict) -> str:
     for r in result["rows"]:
         ms = r["median_s"] * 1e3
         t = f"{ms:.3f} ms" if ms < 1e3 else f"{ms / 1e3:.3f} s"
+        floor = (f"{r['floor_s'] * 1e3:.3f} ms ({r['vs_floor']:.2f}x)" if "floor_s" in r
+                 else "-")
         cells = (format_size(r["size_bytes"]), r["row"], t, f"{r['speedup_vs_psum']:.2f}x",
-                 f"{r['max_abs_err']:.3g}", "yes" if r["bit_identical_across_ranks"] else "NO")
+                 f"{r['max_abs_err']:.3g}", "yes" if r["bit_identical_across_ranks"] else "NO",
+                 floor)
         lines.append("  ".join(c.rjust(w) if i != 1 else c.ljust(w)
                                for i, (c, w) in enumerate(zip(cells, widths))))
     for name, why in result.get("unavailable_rows", {}).items():

@@ -43,9 +43,17 @@
 
 #include "echo_common.h"
 #include "echo_cuda.cuh"
+#include "fast_io.cuh"
+#include "quant_fast.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+
+// Group sets a warp of the fast stages loads before using any (FastStages::kBatch); a build
+// option so that variants can be timed against each other.
+#ifndef ECHO_JAX_FAST_BATCH
+#define ECHO_JAX_FAST_BATCH 2
+#endif
 
 namespace echo {
 namespace cuda {
@@ -316,7 +324,321 @@ __device__ void tail_group(const KernelArgs& a, int seg, int64_t grp, int64_t lo
   }
 }
 
+// The generic stages over a tile: one warp per group, g / bits / policy at run time (any g).
 template <typename T, int VEC, bool COMP>
+struct GenericStages {
+  __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
+                              int64_t local0, int warp, int warps, int lane) {
+    for (int q = warp; q < count; q += warps) push_group<T, VEC, COMP>(a, seg, first + q, local0 + q, lane);
+  }
+  __device__ static void reduce(const KernelArgs& a, int64_t first, int count, int64_t local0,
+                                int warp, int warps, int lane) {
+    for (int q = warp; q < count; q += warps) reduce_group<T, VEC, COMP>(a, first + q, local0 + q, lane);
+  }
+  __device__ static void tail(const KernelArgs& a, int seg, int64_t first, int count,
+                              int64_t local0, int warp, int warps, int lane) {
+    for (int q = warp; q < count; q += warps) tail_group<T, VEC, COMP>(a, seg, first + q, local0 + q, lane);
+  }
+};
+
+// ---- the fast stages: G and BITS compile-time, the quantizer of ffi/quant_fast.cuh ------------
+// The same arithmetic, in the same order of rounded operations, as the generic stages and
+// echo_common.h (quant_fast.cuh argues each hardware shortcut), organised like the fast
+// quantize kernel of ffi/quant_cuda.cu: a group is kLanes lanes of one warp, each lane kLoads
+// pieces of kVec = 16 / sizeof(T) values (one 16-byte load of x, one 2/4/8-byte word of codes),
+// so a warp holds kGroupsPerWarp groups at once and every value stays in registers from the
+// load to the encoding. Group statistics are integer min / max of order keys (a group is finite
+// iff its extreme keys are). Why: the generic stages run one warp per group with branchy float
+// min / max and run-time formats, and were instruction-bound (the quantizer's cost times the
+// groups each rank quantizes); here the per-value work is a few integer and fp32 instructions.
+// Needs x, y, m1, m2 16-byte aligned (XLA's buffers are; rows of a virtual-rank array may not
+// be) and G in {32, 64, 128, 256} (instances for larger groups cost build time and registers,
+// 118-191 a thread, for group sizes few use); every other call runs the generic stages.
+template <typename T, int G, int BITS, bool COMP>
+struct FastStages {
+  using L = fast::QuantLayout<T, G>;
+  static constexpr int kVec = L::kVec, kLanes = L::kLanes, kLoads = L::kLoads;
+  static constexpr int kGpw = L::kGroupsPerWarp;
+  static constexpr int kPieceBytes = kVec * BITS / 8;
+  static constexpr int kCodeBytes = G * BITS / 8;
+
+  // kVec fp32 values of m (m1 or m2) at element e; 0 past n.
+  __device__ static void load_state(const float* m, int64_t e, int64_t n, float* v) {
+    if (e + kVec <= n) {
+#pragma unroll
+      for (int c = 0; c < kVec / 4; ++c) {
+        const float4 w = *reinterpret_cast<const float4*>(m + e + 4 * c);
+        v[4 * c] = w.x; v[4 * c + 1] = w.y; v[4 * c + 2] = w.z; v[4 * c + 3] = w.w;
+      }
+    } else {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) v[t] = e + t < n ? m[e + t] : 0.0f;
+    }
+  }
+  __device__ static void store_state(float* m, int64_t e, int64_t n, const float* v) {
+    if (e + kVec <= n) {
+#pragma unroll
+      for (int c = 0; c < kVec / 4; ++c)
+        *reinterpret_cast<float4*>(m + e + 4 * c) =
+            make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
+    } else {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t)
+        if (e + t < n) m[e + t] = v[t];
+    }
+  }
+
+  // The raw contribution (x as fp32) of the piece at element e; 0 past n (the padding).
+  __device__ static void load_raw(const KernelArgs& a, int64_t e, float* v) {
+    const T* x = static_cast<const T*>(a.x);
+    if (e + kVec <= a.n) {
+      fast::unpack_values<T, kVec>(*reinterpret_cast<const uint4*>(x + e), v);
+    } else {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) v[t] = e + t < a.n ? to_f32<T>(x[e + t]) : 0.0f;
+    }
+  }
+
+  // The contribution, after the compensator's apply step (Eq. 10) when COMP; the padding beyond
+  // n stays 0 (not compensated, as in the reference).
+  __device__ static void load_contrib(const KernelArgs& a, int64_t e, float* v) {
+    load_raw(a, e, v);
+    if constexpr (COMP) {
+      float m1[kVec], m2[kVec];
+      load_state(a.m1, e, a.n, m1);
+      load_state(a.m2, e, a.n, m2);
+#pragma unroll
+      for (int t = 0; t < kVec; ++t)
+        if (e + t < a.n) v[t] = comp_apply(v[t], m1[t], m2[t], a.k);
+    }
+  }
+
+  // Stores y (rounded to T) and, when COMP, updates m1 / m2 in place (Eq. 4 and 11) from the
+  // fp32 y, with x' recomputed from x, m1, m2 as in load_contrib.
+  __device__ static void store_output(const KernelArgs& a, int64_t e, const float* y) {
+    T* out = static_cast<T*>(a.y);
+    if (e + kVec <= a.n) {
+      *reinterpret_cast<uint4*>(out + e) = fast::pack_values<T>(y);
+    } else {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t)
+        if (e + t < a.n) out[e + t] = from_f32<T>(y[t]);
+    }
+    if constexpr (COMP) {
+      float xp[kVec], m1[kVec], m2[kVec], n1[kVec], n2[kVec];
+      load_raw(a, e, xp);
+      load_state(a.m1, e, a.n, m1);
+      load_state(a.m2, e, a.n, m2);
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        xp[t] = comp_apply(xp[t], m1[t], m2[t], a.k);
+        comp_update(xp[t], y[t], m1[t], m2[t], a.k, &n1[t], &n2[t]);
+      }
+      store_state(a.m1, e, a.n, n1);
+      store_state(a.m2, e, a.n, n2);
+    }
+  }
+
+  // The encoder of the group whose lanes hold v (order-key min / max over the group's lanes).
+  __device__ static fast::Encoder group_encoder(const KernelArgs& a, const float (&v)[kLoads][kVec],
+                                                uint32_t* wire) {
+    int32_t kmin = fast::kKeyMax, kmax = fast::kKeyMin;
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        const int32_t key = fast::order_key(__float_as_uint(v[k][t]));
+        kmin = fast::imin(kmin, key);
+        kmax = fast::imax(kmax, key);
+      }
+    }
+#pragma unroll
+    for (int off = kLanes / 2; off > 0; off >>= 1) {  // within the group's aligned lanes
+      kmin = fast::imin(kmin, __shfl_xor_sync(0xffffffffu, kmin, off));
+      kmax = fast::imax(kmax, __shfl_xor_sync(0xffffffffu, kmax, off));
+    }
+    return fast::make_encoder<BITS>(a.policy, __uint_as_float(fast::from_order_key(kmin)),
+                                    __uint_as_float(fast::from_order_key(kmax)),
+                                    fast::keys_finite(kmin, kmax), wire);
+  }
+
+  __device__ static int64_t piece_byte(int64_t local, int j, int k) {
+    return local * kCodeBytes + static_cast<int64_t>(k * kLanes + j) * kPieceBytes;
+  }
+
+  // Each stage handles kBatch of a warp's group sets per iteration, their loads issued before
+  // any of them is used: a lane has kBatch * kLoads 16-byte loads (or code words) in flight
+  // instead of kLoads, which the memory system needs with a quarter of the SMs per virtual rank
+  // (and with NVLink latency on a real machine).
+  static constexpr int kBatch = ECHO_JAX_FAST_BATCH;
+
+  // push: quantize the tile's groups of segment seg into owner seg's push slot for this rank.
+  __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
+                              int64_t local0, int warp, int warps, int lane) {
+    const int j = lane % kLanes;
+    const int stride = warps * kGpw;
+    uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
+    uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
+    // q0 is the same for the 32 lanes of a warp, so every shuffle runs with the whole warp;
+    // the lanes of a group past the tile's end compute on zeros and store nothing.
+    for (int q0 = warp * kGpw; q0 < count; q0 += kBatch * stride) {
+      float v[kBatch][kLoads][kVec];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int q = q0 + u * stride + lane / kLanes;
+        const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+#pragma unroll
+        for (int k = 0; k < kLoads; ++k) {
+          if (q < count) {
+            load_contrib(a, e0 + L::index(j, k, 0), v[u][k]);
+          } else {
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) v[u][k][t] = 0.0f;
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int q = q0 + u * stride + lane / kLanes;
+        uint32_t wire;
+        const fast::Encoder enc = group_encoder(a, v[u], &wire);
+        if (q >= count) continue;
+        if (j == 0) fast::store_wire(prm, local0 + q, a.policy, wire);
+#pragma unroll
+        for (int k = 0; k < kLoads; ++k) {
+          uint32_t codes[kVec];
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) codes[t] = fast::encode(v[u][k][t], enc);
+          fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, j, k), codes, enc.mask);
+        }
+      }
+    }
+  }
+
+  // reduce + gather of the tile's groups of the own segment.
+  __device__ static void reduce(const KernelArgs& a, int64_t first, int count, int64_t local0,
+                                int warp, int warps, int lane) {
+    const int j = lane % kLanes;
+    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
+      const int q = q0 + lane / kLanes;
+      const bool valid = q < count;
+      const int64_t local = local0 + q;
+      const int64_t e0 = (a.me * a.seg_groups + first + q) * G;
+      // Every load first: the peers' parameters and code words (an unrolled loop over the
+      // largest group, so the arrays stay in registers) and the own contribution.
+      uint32_t wires[kMaxCudaRanks];
+      uint2 words[kMaxCudaRanks][kLoads];
+#pragma unroll
+      for (int r = 0; r < kMaxCudaRanks; ++r) {
+        wires[r] = 0u;
+#pragma unroll
+        for (int k = 0; k < kLoads; ++k) words[r][k] = make_uint2(0u, 0u);
+        if (valid && r < a.P && r != a.me) {
+          const uint8_t* slot = a.ws[a.me] + push_slot(r, a.slot_bytes);
+          wires[r] = fast::load_wire(reinterpret_cast<const uint16_t*>(slot + a.params_offset),
+                                     local, a.policy);
+#pragma unroll
+          for (int k = 0; k < kLoads; ++k)
+            words[r][k] = fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k));
+        }
+      }
+      float own[kLoads][kVec];
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        if (valid) {
+          load_contrib(a, e0 + L::index(j, k, 0), own[k]);
+        } else {
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) own[k][t] = 0.0f;
+        }
+      }
+      // fp32 sum in rank order 0..P-1, the own full-precision contribution at its position.
+      float acc[kLoads][kVec];
+#pragma unroll
+      for (int r = 0; r < kMaxCudaRanks; ++r) {
+        if (r >= a.P) break;
+        const DequantParams d = fast::decoder_of<BITS>(wires[r], a.policy);
+#pragma unroll
+        for (int k = 0; k < kLoads; ++k) {
+          uint32_t codes[kVec];
+          fast::unpack_piece_codes<kVec, BITS>(words[r][k], codes);
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) {
+            const float v = r == a.me ? own[k][t] : decode_value(static_cast<uint8_t>(codes[t]), d);
+            acc[k][t] = r == 0 ? v : add_rn(acc[k][t], v);
+          }
+        }
+      }
+      uint32_t wire;
+      const fast::Encoder enc = group_encoder(a, acc, &wire);
+      if (!valid) continue;
+      if (j == 0) {  // the parameters go to every rank's gather slot for this owner
+        for (int r = 0; r < a.P; ++r)
+          fast::store_wire(reinterpret_cast<uint16_t*>(a.ws[r] + gather_slot(a.me, a.P, a.slot_bytes) +
+                                                       a.params_offset),
+                           local, a.policy, wire);
+      }
+      const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        uint32_t codes[kVec];
+        float y[kVec];
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) {
+          codes[t] = fast::encode(acc[k][t], enc) & enc.mask;
+          y[t] = decode_value(static_cast<uint8_t>(codes[t]), d);  // the code peers receive
+        }
+        for (int r = 0; r < a.P; ++r)
+          fast::store_piece<kVec, BITS>(a.ws[r] + gather_slot(a.me, a.P, a.slot_bytes) +
+                                            piece_byte(local, j, k),
+                                        codes, 0xFFFFFFFFu);
+        store_output(a, e0 + L::index(j, k, 0), y);
+      }
+    }
+  }
+
+  // tail: dequantize the tile's groups of owner seg's reduced code.
+  __device__ static void tail(const KernelArgs& a, int seg, int64_t first, int count,
+                              int64_t local0, int warp, int warps, int lane) {
+    const int j = lane % kLanes;
+    const int stride = warps * kGpw;
+    const uint8_t* slot = a.ws[a.me] + gather_slot(seg, a.P, a.slot_bytes);
+    const uint16_t* prm = reinterpret_cast<const uint16_t*>(slot + a.params_offset);
+    for (int q0 = warp * kGpw; q0 < count; q0 += kBatch * stride) {
+      uint32_t wires[kBatch];
+      uint2 words[kBatch][kLoads];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {  // every load of the batch before the first store
+        const int q = q0 + u * stride + lane / kLanes;
+        if (q >= count) continue;
+        wires[u] = fast::load_wire(prm, local0 + q, a.policy);
+#pragma unroll
+        for (int k = 0; k < kLoads; ++k)
+          words[u][k] = fast::load_piece_word<kVec, BITS>(slot + piece_byte(local0 + q, j, k));
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int q = q0 + u * stride + lane / kLanes;
+        if (q >= count) continue;  // no shuffles here: lanes may leave
+        const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+        const DequantParams d = fast::decoder_of<BITS>(wires[u], a.policy);
+#pragma unroll
+        for (int k = 0; k < kLoads; ++k) {
+          uint32_t codes[kVec];
+          fast::unpack_piece_codes<kVec, BITS>(words[u][k], codes);
+          float y[kVec];
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) y[t] = decode_value(static_cast<uint8_t>(codes[t]), d);
+          store_output(a, e0 + L::index(j, k, 0), y);
+        }
+      }
+    }
+  }
+};
+
+// One rank's pipeline: push, reduce + gather, tail over the tiles of this chunk (Stages: the
+// generic or the fast stages; T: the contribution's dtype, for the poisoned output).
+template <class Stages, typename T>
 __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) {
   __shared__ int give_up;
   const int warp = threadIdx.x / kWarp;
@@ -340,9 +662,7 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
     const int t = item % ct;
     int64_t first;
     const int count = tile_groups(t, &first);
-    const int64_t local = static_cast<int64_t>(t) * a.tile_groups;
-    for (int q = warp; q < count; q += warps)
-      push_group<T, VEC, COMP>(a, seg, first + q, local + q, lane);
+    Stages::push(a, seg, first, count, static_cast<int64_t>(t) * a.tile_groups, warp, warps, lane);
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) st_release_sys(flag_ptr(a, seg, kStagePush, a.me, t), a.base);
@@ -359,8 +679,7 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
     if (give_up) break;
     int64_t first;
     const int count = tile_groups(t, &first);
-    for (int q = warp; q < count; q += warps)
-      reduce_group<T, VEC, COMP>(a, first + q, static_cast<int64_t>(t) * a.tile_groups + q, lane);
+    Stages::reduce(a, first, count, static_cast<int64_t>(t) * a.tile_groups, warp, warps, lane);
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x < a.P && threadIdx.x != a.me)
@@ -379,9 +698,7 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
     if (give_up) break;
     int64_t first;
     const int count = tile_groups(t, &first);
-    const int64_t local = static_cast<int64_t>(t) * a.tile_groups;
-    for (int q = warp; q < count; q += warps)
-      tail_group<T, VEC, COMP>(a, seg, first + q, local + q, lane);
+    Stages::tail(a, seg, first, count, static_cast<int64_t>(t) * a.tile_groups, warp, warps, lane);
   }
 
   // After a timeout the output must not look valid: poison this block's grid-stride share.
@@ -420,7 +737,6 @@ int64_t env_int(const char* name, int64_t fallback) {
 int64_t slot_bytes_from_env() { return std::max<int64_t>(1, env_int("ECHO_JAX_SLOT_MB", 32)) << 20; }
 
 struct LaunchPlan {
-  int vec = 1;
   int tile_groups = 1;
   int64_t tiles_per_segment = 0;
   int chunk_tiles = 0;
@@ -440,7 +756,7 @@ struct Group {
   cudaEvent_t fork = nullptr;
   std::vector<cudaEvent_t> joins;
   std::vector<int> max_resident;      // blocks of kThreads resident per device
-  std::map<std::tuple<int, int, int, int, int64_t>, LaunchPlan> plans;  // the schedule cache
+  std::map<std::tuple<const void*, int, int, int, int64_t>, LaunchPlan> plans;  // the schedule cache
   int registered = 0;
   bool broken = false;
   std::string broken_reason;
@@ -458,11 +774,10 @@ Group* get_group(const std::string& key) {
   return slot.get();
 }
 
-template <typename T, int VEC, bool COMP>
-int resident_blocks(int device) {
+// Blocks of kThreads of `kernel` resident on `device` at once (all SMs).
+int resident_blocks(const void* kernel, int device) {
   int per_sm = 0, sms = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, echo_allreduce_kernel<T, VEC, COMP>,
-                                                kThreads, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   return std::max(1, per_sm) * std::max(1, sms);
 }
@@ -525,14 +840,8 @@ struct CallAttrs {
   CompCoeffs k;
 };
 
-template <typename T, bool COMP>
-ffi::Error plan_and_launch_t(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at,
-                             const void* x, void* y, float* m1, float* m2, int64_t n,
-                             uint64_t base, int grid_cap);
-
 LaunchPlan make_plan(const Group& grp, const CallAttrs& at, int64_t seg_groups, int resident) {
   LaunchPlan pl;
-  pl.vec = at.g % 4 == 0 ? 4 : (at.g % 2 == 0 ? 2 : 1);
   const int max_tg = std::max(1, kTileValues / at.g);
   pl.tile_groups = static_cast<int>(std::clamp<int64_t>(
       (seg_groups + kMinTilesPerSegment - 1) / kMinTilesPerSegment, 1, max_tg));
@@ -548,10 +857,27 @@ LaunchPlan make_plan(const Group& grp, const CallAttrs& at, int64_t seg_groups, 
   return pl;
 }
 
-template <typename T, int VEC, bool COMP>
+// Launches `kernel` (an echo_allreduce_kernel instance) for one rank, one launch per chunk of
+// tiles, with the schedule of the cache (computed at the first call of this shape).
 ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at,
-                  const LaunchPlan& pl, const void* x, void* y, float* m1, float* m2, int64_t n,
-                  int64_t seg_groups) {
+                  void (*kernel)(KernelArgs), const void* x, void* y, float* m1, float* m2,
+                  int64_t n, bool aligned, int ranks_on_device) {
+  const int64_t groups = (std::max<int64_t>(n, 1) + at.g - 1) / at.g;
+  const int64_t seg_groups = (groups + at.P - 1) / at.P;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), at.bits, at.policy,
+                                   at.g, seg_groups);
+  LaunchPlan pl;
+  {
+    std::lock_guard<std::mutex> lock(grp.mu);
+    auto it = grp.plans.find(key);
+    if (it == grp.plans.end()) {
+      const int resident = std::max(
+          1, resident_blocks(reinterpret_cast<const void*>(kernel), grp.devices[rank]) /
+                 ranks_on_device);
+      it = grp.plans.emplace(key, make_plan(grp, at, seg_groups, resident)).first;
+    }
+    pl = it->second;
+  }
   KernelArgs a{};
   a.x = x; a.y = y; a.m1 = m1; a.m2 = m2; a.n = n;
   a.seg_groups = seg_groups;
@@ -561,58 +887,63 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
   a.params_offset = pl.params_offset;
   a.timeout_ns = static_cast<uint64_t>(at.timeout_ms) * 1000000ull;
   a.error = grp.dev_error[rank];
-  auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  a.aligned = aligned16(x) && aligned16(y) && (m1 == nullptr || (aligned16(m1) && aligned16(m2)));
+  a.aligned = aligned;
   a.k = at.k;
   for (int r = 0; r < at.P; ++r) a.ws[r] = grp.ws[r];
   for (int64_t t0 = 0; t0 < pl.tiles_per_segment; t0 += pl.chunk_tiles) {
     a.tile0 = t0;
     a.chunk_tiles = static_cast<int>(std::min<int64_t>(pl.chunk_tiles, pl.tiles_per_segment - t0));
     a.base = 3 * (++grp.calls[rank]);
-    echo_allreduce_kernel<T, VEC, COMP><<<pl.grid, kThreads, 0, stream>>>(a);
+    kernel<<<pl.grid, kThreads, 0, stream>>>(a);
   }
   ECHO_CUDA_RETURN(cudaGetLastError(), "kernel launch");
   return ffi::Error::Success();
 }
 
+// The fast kernel instance for (T, g, bits, COMP), or nullptr when g has none.
+template <typename T, bool COMP, int BITS, int... Gs>
+void (*fast_kernel_for(int g))(KernelArgs) {
+  void (*kernel)(KernelArgs) = nullptr;
+  ((g == Gs ? (kernel = echo_allreduce_kernel<FastStages<T, Gs, BITS, COMP>, T>, true) : false) ||
+   ...);
+  return kernel;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// `fast_ok`: the caller allows the fast stages. The ranks of a virtual group must all run the
+// same kernel: a kernel's first launch in a process loads it (lazy module loading), and loading
+// waits for the kernels already running on the device, so a rank whose kernel is loaded while
+// a peer's kernel spins waiting for it would deadlock until the timeout.
 template <typename T, bool COMP>
 ffi::Error run_rank(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at, const void* x,
-                    void* y, float* m1, float* m2, int64_t n, int ranks_on_device) {
-  const int64_t groups = (std::max<int64_t>(n, 1) + at.g - 1) / at.g;
-  const int64_t seg_groups = (groups + at.P - 1) / at.P;
-  const auto key = std::make_tuple(int(sizeof(T)), at.bits, at.policy, at.g, seg_groups);
-  LaunchPlan pl;
-  {
-    std::lock_guard<std::mutex> lock(grp.mu);
-    auto it = grp.plans.find(key);
-    if (it == grp.plans.end()) {
-      const int vec = at.g % 4 == 0 ? 4 : (at.g % 2 == 0 ? 2 : 1);
-      int resident = vec == 4 ? resident_blocks<T, 4, COMP>(grp.devices[rank])
-                   : vec == 2 ? resident_blocks<T, 2, COMP>(grp.devices[rank])
-                              : resident_blocks<T, 1, COMP>(grp.devices[rank]);
-      resident = std::max(1, resident / ranks_on_device);
-      it = grp.plans.emplace(key, make_plan(grp, at, seg_groups, resident)).first;
-    }
-    pl = it->second;
+                    void* y, float* m1, float* m2, int64_t n, int ranks_on_device, bool fast_ok) {
+  const bool aligned =
+      aligned16(x) && aligned16(y) && (m1 == nullptr || (aligned16(m1) && aligned16(m2)));
+  void (*kernel)(KernelArgs) = nullptr;
+  if (fast_ok && aligned && !fast::generic_kernels_forced()) {
+    kernel = at.bits == 4 ? fast_kernel_for<T, COMP, 4, 32, 64, 128, 256>(at.g)
+                          : fast_kernel_for<T, COMP, 8, 32, 64, 128, 256>(at.g);
   }
-  switch (pl.vec) {
-    case 4: return launch<T, 4, COMP>(grp, rank, stream, at, pl, x, y, m1, m2, n, seg_groups);
-    case 2: return launch<T, 2, COMP>(grp, rank, stream, at, pl, x, y, m1, m2, n, seg_groups);
-    default: return launch<T, 1, COMP>(grp, rank, stream, at, pl, x, y, m1, m2, n, seg_groups);
+  if (kernel == nullptr) {
+    kernel = at.g % 4 == 0   ? echo_allreduce_kernel<GenericStages<T, 4, COMP>, T>
+             : at.g % 2 == 0 ? echo_allreduce_kernel<GenericStages<T, 2, COMP>, T>
+                             : echo_allreduce_kernel<GenericStages<T, 1, COMP>, T>;
   }
+  return launch(grp, rank, stream, at, kernel, x, y, m1, m2, n, aligned, ranks_on_device);
 }
 
 template <bool COMP>
 ffi::Error run_rank_dtype(ffi::DataType dt, Group& grp, int rank, cudaStream_t stream,
                           const CallAttrs& at, const void* x, void* y, float* m1, float* m2,
-                          int64_t n, int ranks_on_device) {
+                          int64_t n, int ranks_on_device, bool fast_ok = true) {
   switch (dt) {
     case ffi::DataType::F32:
-      return run_rank<float, COMP>(grp, rank, stream, at, x, y, m1, m2, n, ranks_on_device);
+      return run_rank<float, COMP>(grp, rank, stream, at, x, y, m1, m2, n, ranks_on_device, fast_ok);
     case ffi::DataType::BF16:
-      return run_rank<__nv_bfloat16, COMP>(grp, rank, stream, at, x, y, m1, m2, n, ranks_on_device);
+      return run_rank<__nv_bfloat16, COMP>(grp, rank, stream, at, x, y, m1, m2, n, ranks_on_device, fast_ok);
     case ffi::DataType::F16:
-      return run_rank<__half, COMP>(grp, rank, stream, at, x, y, m1, m2, n, ranks_on_device);
+      return run_rank<__half, COMP>(grp, rank, stream, at, x, y, m1, m2, n, ranks_on_device, fast_ok);
     default:
       return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                         "echo_jax p2p (CUDA): x must be float32, bfloat16 or float16");
@@ -782,6 +1113,11 @@ ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x,
     cudaMemcpyAsync(m1_out, m1->typed_data(), at.P * n * sizeof(float), cudaMemcpyDeviceToDevice, stream);
     cudaMemcpyAsync(m2_out, m2->typed_data(), at.P * n * sizeof(float), cudaMemcpyDeviceToDevice, stream);
   }
+  // One kernel for every rank (see run_rank): the fast stages only when every row is aligned.
+  const bool fast_ok = aligned16(x.untyped_data()) && aligned16(y->untyped_data()) &&
+                       (n * esize) % 16 == 0 &&
+                       (!m1.has_value() || (aligned16(m1_out) && aligned16(m2_out) &&
+                                            (n * sizeof(float)) % 16 == 0));
   ECHO_CUDA_RETURN(cudaEventRecord(grp->fork, stream), "fork event");
   for (int r = 0; r < at.P; ++r) {
     if (r == absent_rank) {  // test hook: this rank never arrives; its peers must time out
@@ -793,10 +1129,10 @@ ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x,
     char* yr = static_cast<char*>(y->untyped_data()) + r * n * esize;
     if (m1.has_value())
       err = run_rank_dtype<true>(x.element_type(), *grp, r, grp->streams[r], at, xr, yr,
-                                 m1_out + r * n, m2_out + r * n, n, at.P);
+                                 m1_out + r * n, m2_out + r * n, n, at.P, fast_ok);
     else
       err = run_rank_dtype<false>(x.element_type(), *grp, r, grp->streams[r], at, xr, yr, nullptr,
-                                  nullptr, n, at.P);
+                                  nullptr, n, at.P, fast_ok);
     if (err.failure()) return err;
     ECHO_CUDA_RETURN(cudaEventRecord(grp->joins[r], grp->streams[r]), "join event");
     ECHO_CUDA_RETURN(cudaStreamWaitEvent(stream, grp->joins[r], 0), "join wait");

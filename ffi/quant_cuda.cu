@@ -61,6 +61,7 @@
 
 #include "echo_common.h"
 #include "echo_cuda.cuh"
+#include "fast_io.cuh"
 #include "quant_fast.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -74,46 +75,6 @@ constexpr int kQuantThreads = 256;
 constexpr int kRegChunks = 4;  // value chunks per lane kept in registers between the passes
 
 // ---- fast kernels --------------------------------------------------------------------------
-
-// Element t (a constant) of a 16-byte word of T values, as fp32 (exact).
-template <typename T, int t>
-__device__ __forceinline__ float element(const uint4& w) {
-  constexpr int kPer = 4 / static_cast<int>(sizeof(T));  // values per 32-bit word
-  const uint32_t u = t / kPer == 0 ? w.x : t / kPer == 1 ? w.y : t / kPer == 2 ? w.z : w.w;
-  if constexpr (sizeof(T) == 4) {
-    return __uint_as_float(u);
-  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __uint_as_float(t % 2 == 0 ? u << 16 : u & 0xFFFF0000u);  // bf16 -> fp32: exact
-  } else {
-    return fast::f16_f32(static_cast<uint16_t>(t % 2 == 0 ? u & 0xFFFFu : u >> 16));
-  }
-}
-
-template <typename T, int N, int t = 0>
-__device__ __forceinline__ void unpack_values(const uint4& w, float* v) {
-  if constexpr (t < N) {
-    v[t] = element<T, t>(w);
-    unpack_values<T, N, t + 1>(w, v);
-  }
-}
-
-// Stores the kVec codes of one load (kVec * BITS / 8 bytes, low nibble first at 4 bits).
-template <int kVec, int BITS>
-__device__ __forceinline__ void store_piece(uint8_t* dst, const uint32_t* codes, uint32_t mask) {
-  constexpr int kBytes = kVec * BITS / 8;
-  constexpr int kPerWord = 32 / BITS;
-  uint32_t w[2] = {0u, 0u};
-#pragma unroll
-  for (int t = 0; t < kVec; ++t) w[t / kPerWord] |= codes[t] << (BITS * (t % kPerWord));
-  if constexpr (kBytes == 2) {
-    *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(w[0] & mask);
-  } else if constexpr (kBytes == 4) {
-    *reinterpret_cast<uint32_t*>(dst) = w[0] & mask;
-  } else {
-    static_assert(kBytes == 8, "piece");
-    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0] & mask, w[1] & mask);
-  }
-}
 
 // The kLoads 16-byte words of lane j in group grp (zeros past the last group).
 template <typename T, int G>
@@ -163,7 +124,7 @@ __global__ void __launch_bounds__(kQuantThreads)
 #pragma unroll
     for (int k = 0; k < kLoads; ++k) {
       float v[kVec];
-      unpack_values<T, kVec>(raw[k], v);
+      fast::unpack_values<T, kVec>(raw[k], v);
 #pragma unroll
       for (int t = 0; t < kVec; ++t) {
         const int32_t key = fast::order_key(__float_as_uint(v[t]));
@@ -190,11 +151,11 @@ __global__ void __launch_bounds__(kQuantThreads)
 #pragma unroll
     for (int k = 0; k < kLoads; ++k) {
       float v[kVec];
-      unpack_values<T, kVec>(raw[k], v);
+      fast::unpack_values<T, kVec>(raw[k], v);
       uint32_t codes[kVec];
 #pragma unroll
       for (int t = 0; t < kVec; ++t) codes[t] = fast::encode_fast<BITS, POLICY>(v[t], p);
-      if (valid) store_piece<kVec, BITS>(dst + k * kLanes * kPieceBytes, codes, mask);
+      if (valid) fast::store_piece<kVec, BITS>(dst + k * kLanes * kPieceBytes, codes, mask);
     }
     if constexpr (kPrefetch) {
 #pragma unroll
@@ -355,15 +316,6 @@ int grid_for(int64_t groups) {  // generic kernels: one warp per group
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-// ECHO_JAX_GENERIC_QUANT=1 (any value but empty or "0") forces the generic kernels; read once.
-bool force_generic() {
-  static const bool force = [] {
-    const char* v = std::getenv("ECHO_JAX_GENERIC_QUANT");
-    return v != nullptr && v[0] != '\0' && std::string(v) != "0";
-  }();
-  return force;
-}
-
 ffi::Error check(int64_t bits, int64_t g, int64_t policy) {
   if (bits != 4 && bits != 8)
     return ffi::Error::InvalidArgument("echo_jax quantize (CUDA): bits must be 4 or 8, got " +
@@ -419,7 +371,7 @@ bool quantize_fast_g(cudaStream_t s, const T* x, int64_t groups, int g, uint8_t*
 template <typename T>
 bool quantize_fast(cudaStream_t s, const void* x, int64_t groups, int g, int bits, int policy,
                    uint8_t* packed, uint16_t* params) {
-  if (force_generic() || !aligned(x, 16) || !aligned(packed, 8) || !aligned(params, 4))
+  if (fast::generic_kernels_forced() || !aligned(x, 16) || !aligned(packed, 8) || !aligned(params, 4))
     return false;
   const T* xt = static_cast<const T*>(x);
   return with_format(bits, policy, [&](auto b, auto p) {
@@ -458,7 +410,7 @@ void launch_dequantize(cudaStream_t s, const uint8_t* packed, const uint16_t* pa
                        int64_t groups, int g, int bits, int policy, float* y) {
   int log2g = 0;
   while ((1 << log2g) < g) ++log2g;
-  if (!force_generic() && (1 << log2g) == g && g >= 4 && aligned(y, 16) &&
+  if (!fast::generic_kernels_forced() && (1 << log2g) == g && g >= 4 && aligned(y, 16) &&
       aligned(packed, 4) && aligned(params, 4)) {
     with_format(bits, policy, [&](auto b, auto p) {
       launch_dequantize_fast<decltype(b)::value, decltype(p)::value>(s, packed, params, groups * g,

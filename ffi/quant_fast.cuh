@@ -199,7 +199,7 @@ struct QuantLayout {
   static_assert(kLanes >= 1 && (kLanes & (kLanes - 1)) == 0, "lanes per group: a power of two");
   static_assert(kLoads >= 2 && kLanes * kVec * kLoads == G, "G: a power of two >= 2 * kVec");
   // Index in the group of element t of load k of lane j.
-  static constexpr int index(int j, int k, int t) { return k * kLanes * kVec + j * kVec + t; }
+  ECHO_HD static constexpr int index(int j, int k, int t) { return k * kLanes * kVec + j * kVec + t; }
 };
 
 }  // namespace fast

@@ -1,0 +1,192 @@
+// Device-side I/O of the fast kernels (ffi/quant_cuda.cu, ffi/p2p_cuda.cu): 16-byte words of
+// values, packed code pieces, and the group format chosen at run time where a kernel keeps only
+// the group size and the bits as template constants.
+//
+// A "piece" is the kVec = 16 / sizeof(T) consecutive values of one 16-byte load, and their
+// kVec * BITS / 8 bytes of codes (2, 4 or 8 bytes: one store, one load). Pieces of one group are
+// laid out as fast::QuantLayout says, so the codes of a piece are contiguous in the wire format
+// (value i's code is at bit i * BITS of its group) whatever lane holds them.
+#ifndef ECHO_JAX_FFI_FAST_IO_CUH_
+#define ECHO_JAX_FFI_FAST_IO_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "echo_common.h"
+#include "quant_fast.cuh"
+
+namespace echo {
+namespace fast {
+
+// ECHO_JAX_GENERIC_QUANT=1 (any value but empty or "0") makes every handler run its generic
+// kernels instead of the fast ones (for comparisons); read once per process.
+inline bool generic_kernels_forced() {
+  static const bool forced = [] {
+    const char* v = std::getenv("ECHO_JAX_GENERIC_QUANT");
+    return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+  }();
+  return forced;
+}
+
+// ---- values ----------------------------------------------------------------------------------
+
+// Element t (a constant) of a 16-byte word of T values, as fp32 (exact).
+template <typename T, int t>
+__device__ __forceinline__ float element(const uint4& w) {
+  constexpr int kPer = 4 / static_cast<int>(sizeof(T));  // values per 32-bit word
+  const uint32_t u = t / kPer == 0 ? w.x : t / kPer == 1 ? w.y : t / kPer == 2 ? w.z : w.w;
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(u);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __uint_as_float(t % 2 == 0 ? u << 16 : u & 0xFFFF0000u);  // bf16 -> fp32: exact
+  } else {
+    return f16_f32(static_cast<uint16_t>(t % 2 == 0 ? u & 0xFFFFu : u >> 16));
+  }
+}
+
+template <typename T, int N, int t = 0>
+__device__ __forceinline__ void unpack_values(const uint4& w, float* v) {
+  if constexpr (t < N) {
+    v[t] = element<T, t>(w);
+    unpack_values<T, N, t + 1>(w, v);
+  }
+}
+
+// fp32 -> the bits of T, round to nearest even (XLA's convert; exact for fp32).
+template <typename T>
+__device__ __forceinline__ uint32_t value_bits(float v) {
+  if constexpr (sizeof(T) == 4) {
+    return __float_as_uint(v);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  } else {
+    return __half_as_ushort(__float2half_rn(v));
+  }
+}
+
+// kVec = 16 / sizeof(T) fp32 values -> one 16-byte word of T.
+template <typename T>
+__device__ __forceinline__ uint4 pack_values(const float* v) {
+  uint32_t u[4];
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) u[k] = value_bits<T>(v[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) u[k] = value_bits<T>(v[2 * k]) | (value_bits<T>(v[2 * k + 1]) << 16);
+  }
+  return make_uint4(u[0], u[1], u[2], u[3]);
+}
+
+// ---- codes -----------------------------------------------------------------------------------
+
+// Stores the kVec codes of one piece (kVec * BITS / 8 bytes, low nibble first at 4 bits); `mask`
+// is 0 for a non-finite group (all its codes are 0).
+template <int kVec, int BITS>
+__device__ __forceinline__ void store_piece(uint8_t* dst, const uint32_t* codes, uint32_t mask) {
+  constexpr int kBytes = kVec * BITS / 8;
+  constexpr int kPerWord = 32 / BITS;
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int t = 0; t < kVec; ++t) w[t / kPerWord] |= codes[t] << (BITS * (t % kPerWord));
+  if constexpr (kBytes == 2) {
+    *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(w[0] & mask);
+  } else if constexpr (kBytes == 4) {
+    *reinterpret_cast<uint32_t*>(dst) = w[0] & mask;
+  } else {
+    static_assert(kBytes == 8, "piece");
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0] & mask, w[1] & mask);
+  }
+}
+
+// Loads the codes of one piece (2, 4 or 8 bytes) through L2 only (__ldcg: a peer wrote them
+// after this SM may have cached an older copy of the line in an earlier call).
+template <int kVec, int BITS>
+__device__ __forceinline__ uint2 load_piece_word(const uint8_t* src) {
+  constexpr int kBytes = kVec * BITS / 8;
+  if constexpr (kBytes == 2) {
+    return make_uint2(__ldcg(reinterpret_cast<const unsigned short*>(src)), 0u);
+  } else if constexpr (kBytes == 4) {
+    return make_uint2(__ldcg(reinterpret_cast<const unsigned int*>(src)), 0u);
+  } else {
+    static_assert(kBytes == 8, "piece");
+    return __ldcg(reinterpret_cast<const uint2*>(src));
+  }
+}
+
+// Code t of a piece word, in codes[t].
+template <int kVec, int BITS>
+__device__ __forceinline__ void unpack_piece_codes(const uint2& w, uint32_t* codes) {
+  constexpr int kPerWord = 32 / BITS;
+  constexpr uint32_t kMask = (1u << BITS) - 1u;
+#pragma unroll
+  for (int t = 0; t < kVec; ++t)
+    codes[t] = ((t / kPerWord == 0 ? w.x : w.y) >> (BITS * (t % kPerWord))) & kMask;
+}
+
+// ---- the group format at run time --------------------------------------------------------------
+// The fast all-reduce kernel keeps only G and BITS as template constants (T x G x BITS x
+// compensation instances); the policy is a warp-uniform run-time value, which costs one branch a
+// group in make_params and one fp32 subtraction a value for sym (x - (+0) = x exactly, -0
+// included, so the code is encode_fast<BITS, sym>'s).
+
+// An encoder of one group: code = clamp(rne((x - m) * r), lo, hi) + off; mask 0 when not ok.
+struct Encoder {
+  float r, m;
+  int32_t lo, hi, off;
+  uint32_t mask;
+};
+
+template <int BITS>
+__device__ __forceinline__ Encoder make_encoder(int policy, float lo, float hi, bool finite,
+                                                uint32_t* wire) {
+  constexpr int qmax = (1 << (BITS - 1)) - 1;
+  constexpr int levels = (1 << BITS) - 1;
+  FastParams p;
+  if (policy == kPolicySym) {
+    p = make_params_fast<BITS, kPolicySym>(lo, hi, finite);
+    *wire = p.wire;
+    return Encoder{p.r, 0.0f, -qmax, qmax, qmax + 1, p.ok ? 0xFFFFFFFFu : 0u};
+  }
+  p = policy == kPolicyAsym ? make_params_fast<BITS, kPolicyAsym>(lo, hi, finite)
+                            : make_params_fast<BITS, kPolicyAsymNaive>(lo, hi, finite);
+  *wire = p.wire;
+  return Encoder{p.r, p.m, 0, levels, 0, p.ok ? 0xFFFFFFFFu : 0u};
+}
+
+__device__ __forceinline__ uint32_t encode(float x, const Encoder& e) {
+  return static_cast<uint32_t>(imin(imax(f2i_rn(mul_rn(sub_rn(x, e.m), e.r)), e.lo), e.hi) +
+                               e.off);
+}
+
+// Stores a group's wire parameters (2 bytes sym, 4 bytes asym) at group index `local`.
+__device__ __forceinline__ void store_wire(uint16_t* params, int64_t local, int policy,
+                                           uint32_t wire) {
+  if (policy == kPolicySym)
+    params[local] = static_cast<uint16_t>(wire);
+  else
+    *reinterpret_cast<uint32_t*>(params + 2 * local) = wire;
+}
+
+// Loads a group's wire parameters (as store_wire stored them) through L2 only.
+__device__ __forceinline__ uint32_t load_wire(const uint16_t* params, int64_t local, int policy) {
+  if (policy == kPolicySym) return __ldcg(reinterpret_cast<const unsigned short*>(params + local));
+  return __ldcg(reinterpret_cast<const unsigned int*>(params + 2 * local));
+}
+
+// The decoder (dequant_params of echo_common.h) of a group's wire parameters.
+template <int BITS>
+__device__ __forceinline__ DequantParams decoder_of(uint32_t wire, int policy) {
+  return policy == kPolicySym ? dequant_params_fast<BITS, kPolicySym>(wire & 0xFFFFu)
+                              : dequant_params_fast<BITS, kPolicyAsym>(wire);
+}
+
+}  // namespace fast
+}  // namespace echo
+
+#endif  // ECHO_JAX_FFI_FAST_IO_CUH_
