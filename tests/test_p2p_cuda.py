@@ -1,12 +1,16 @@
 """CUDA custom call (ffi/p2p_cuda.cu, ffi/quant_cuda.cu) against the pure-JAX reference, bit for
-bit. Marked `gpu`: skipped without an NVIDIA GPU; run on the device machine."""
+bit. Marked `gpu`: skipped without an NVIDIA GPU; run on the device machine.
 
-import os
+* Virtual ranks (`p2p_cuda.virtual_allreduce`, P rank pipelines on one GPU): every machine with
+  a GPU, including the smallest inputs that reach the kernel and a peer that never arrives.
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as PS
 
 import echo_jax as ej
 from echo_jax import quant
@@ -30,13 +34,47 @@ def reference_allreduce(x, cfg, state=None):
                             axis_name="tp"))(x, state)
 
 
-def same_bits(a, b):
+def reference_many(configs, xs, states=None):
+    """`reference_allreduce` of every (configs[i], xs[i], states[i]) in one jitted program (one
+    compilation for a test's cases): [y_i] or [(y_i, new_state_i)]."""
+    states = [None] * len(xs) if states is None else states
+
+    def ranks(vs, ss):
+        outs = []
+        for cfg, v, s in zip(configs, vs, ss):
+            cfg = cfg.replace(transport="xla")
+            outs.append(ej.echo_psum(v, "tp", config=cfg) if s is None
+                        else ej.echo_psum(v, "tp", config=cfg, state=s))
+        return outs
+
+    return jax.jit(jax.vmap(ranks, axis_name="tp"))(list(xs), list(states))
+
+
+def same_bits(a, b, what=""):
     a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape and a.dtype == b.dtype
+    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, a.dtype, b.shape, b.dtype)
     ua = a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")
     ub = b.view(np.uint8) if b.dtype.itemsize == 1 else b.view(f"u{b.dtype.itemsize}")
     bad = np.flatnonzero(ua.reshape(-1) != ub.reshape(-1))
-    assert bad.size == 0, f"{bad.size} of {a.size} differ, first at {bad[:5]}: {a.reshape(-1)[bad[:3]]} vs {b.reshape(-1)[bad[:3]]}"
+    assert bad.size == 0, (f"{what}: {bad.size} of {a.size} differ, first at {bad[:5]}: "
+                           f"{a.reshape(-1)[bad[:3]]} vs {b.reshape(-1)[bad[:3]]}")
+
+
+def gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+def gpu_mesh(shape, names):
+    """A mesh of the first prod(shape) GPUs; skips, saying why, where there are fewer."""
+    devices = gpus()
+    n = int(np.prod(shape))
+    if len(devices) < n:
+        pytest.skip(f"needs {n} GPUs for a {'x'.join(map(str, shape))} mesh {names}, this "
+                    f"machine has {len(devices)}")
+    return Mesh(np.array(devices[:n]).reshape(shape), names)
 
 
 def test_gpu_is_there():
@@ -120,13 +158,88 @@ def test_repeated_calls_alternating_shapes(cuda):
             same_bits(y, refs[i % 3])
 
 
-def test_p_equals_one_in_jax_on_the_gpu():
-    mesh = jax.sharding.Mesh(np.array(jax.devices("gpu")[:1]), ("tp",))
-    x = jax.random.normal(jax.random.key(1), (1, 1000))
-    f = jax.jit(jax.shard_map(lambda v: ej.echo_psum(v, "tp"), mesh=mesh,
-                              in_specs=jax.sharding.PartitionSpec("tp"),
-                              out_specs=jax.sharding.PartitionSpec("tp")))
-    same_bits(f(x), x)
+# -------------------------------------------------------------------------------------------
+# The smallest inputs that reach the kernel, and P = 1 (which reaches none).
+# -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_virtual_p2_tiny_inputs_match_reference(cuda, bits, policy):
+    """P = 2 is the smallest group that runs the kernel (at P = 1 echo_psum returns x first).
+    n = 1 and g - 1 (one partial group: segment 1 is all padding) and g + 1 (one group per
+    segment, the second holding a single value); g = 128 (4 values per lane access), 6 (2) and,
+    at 8 bits, 5 (1 value per access; 4 bits needs an even g, so 2 instead). The dtype rotates
+    over fp32 / bf16 / fp16. Plain, and compensated for n = 1 and g + 1. The calls of one g run
+    back to back in one program (and its reference in another)."""
+    group_sizes = (128, 6, 5) if bits == 8 else (128, 6, 2)
+    rng = np.random.default_rng(10 * bits + POLICIES.index(policy))
+    dtypes = (jnp.float32, jnp.bfloat16, jnp.float16)
+    case = 0
+    for g in group_sizes:
+        cfg = ej.EchoConfig(bits=bits, group_size=g, policy=policy)
+        xs, sts, whats = [], [], []
+        for n in sorted({1, g - 1, g + 1}):
+            dtype = dtypes[case % 3]
+            case += 1
+            whats.append(f"P=2 bits={bits} {policy} g={g} n={n} {jnp.dtype(dtype).name}")
+            xs.append(jnp.asarray(rng.standard_normal((2, n)).astype(np.float32) + 0.25)
+                      .astype(dtype))
+            sts.append(None if n == g - 1 and n != 1 else ej.CompensatorState(
+                jnp.asarray(0.1 * rng.standard_normal((2, n)), jnp.float32),
+                jnp.asarray(-0.05 * rng.standard_normal((2, n)), jnp.float32)))
+        comp = [i for i, s in enumerate(sts) if s is not None]
+
+        def calls(xs, sts):
+            plain = [cuda.virtual_allreduce(x, cfg) for x in xs]
+            return plain, [cuda.virtual_allreduce(xs[i], cfg, sts[i]) for i in comp]
+
+        got_plain, got_comp = jax.jit(calls)(xs, sts)
+        want = reference_many([cfg] * (len(xs) + len(comp)), xs + [xs[i] for i in comp],
+                              [None] * len(xs) + [sts[i] for i in comp])
+        for i, y in enumerate(got_plain):
+            same_bits(y, want[i], whats[i])
+            same_bits(y[0], y[1], whats[i] + ": rank 1 vs rank 0")
+        for k, i in enumerate(comp):
+            (y, new), (ry, rnew) = got_comp[k], want[len(xs) + k]
+            same_bits(y, ry, whats[i] + " compensated: y")
+            same_bits(new.m1, rnew.m1, whats[i] + " compensated: m1")
+            same_bits(new.m2, rnew.m2, whats[i] + " compensated: m2")
+
+
+def test_p_equals_one_returns_x_without_a_kernel(cuda):
+    """What P = 1 promises: echo_psum returns x itself (and a state unchanged) before it chooses a
+    transport, so even transport="p2p" gives the very same bits (a NaN, -0.0, values far outside
+    fp16's range included) and the compiled program has no Echo custom call and no collective."""
+    mesh = gpu_mesh((1,), ("tp",))
+    cfg = ej.EchoConfig(bits=4, transport="p2p")
+    key = jax.random.key(1)
+    x = jax.random.normal(key, (1, 3, 1000)) * 1e6
+    x = x.at[0, 0, 0].set(jnp.nan).at[0, 0, 1].set(-0.0).at[0, 1, 5].set(1e-40)
+    m1 = jax.random.normal(jax.random.key(2), (1, 3, 1000))
+    m2 = jax.random.normal(jax.random.key(3), (1, 3, 1000))
+    xb = x.astype(jnp.bfloat16)
+
+    def body(v, vb, a, b):
+        y = ej.echo_psum(v[0], "tp", config=cfg)
+        yb = ej.echo_psum(vb[0], "tp", config=cfg)
+        z, st = ej.echo_psum(v[0], "tp", config=cfg, state=ej.CompensatorState(a[0], b[0]))
+        return y[None], yb[None], z[None], st.m1[None], st.m2[None]
+
+    spec = PS("tp")
+    args = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, xb, m1, m2)]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 5))
+    with jax.set_mesh(mesh):
+        compiled = f.lower(*args).compile()
+        y, yb, z, n1, n2 = compiled(*args)
+    same_bits(y, x, "fp32")
+    same_bits(yb, xb, "bf16")
+    same_bits(z, x, "compensated: y")
+    same_bits(n1, m1, "compensated: m1")
+    same_bits(n2, m2, "compensated: m2")
+    text = compiled.as_text()
+    assert 'custom_call_target="echo' not in text, "P = 1 ran an Echo custom call"
+    for op in ("all-to-all", "all-gather", "all-reduce", "collective-permute"):
+        assert op not in text, f"P = 1 compiled a collective ({op})"
 
 
 def test_missing_peer_times_out_with_a_clear_error(cuda, monkeypatch):
