@@ -3,6 +3,9 @@ bit. Marked `gpu`: skipped without an NVIDIA GPU; run on the device machine.
 
 * Virtual ranks (`p2p_cuda.virtual_allreduce`, P rank pipelines on one GPU): every machine with
   a GPU, including the smallest inputs that reach the kernel and a peer that never arrives.
+* One rank per GPU (`p2p_cuda.rank_allreduce`, reached through `echo_psum` with transport "p2p"
+  inside `jax.shard_map` under `jax.set_mesh`): P = 2 .. 8 as far as the machine has GPUs, and
+  meshes with two axes; each test skips, saying how many GPUs it needs, where there are fewer.
 """
 
 import re
@@ -16,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 import echo_jax as ej
+from echo_jax import p2p
 from echo_jax import quant
 from conftest import cuda_handlers
 
@@ -298,3 +302,183 @@ def test_missing_peer_times_out_with_a_clear_error(cuda, monkeypatch):
     x2 = small[:2]
     same_bits(jax.jit(lambda v: cuda.virtual_allreduce(v, cfg2))(x2),
               reference_allreduce(x2, cfg2), "P = 2 after the P = 3 group broke")
+
+
+# -------------------------------------------------------------------------------------------
+# One rank per GPU: rank_allreduce through echo_psum inside jax.shard_map.
+# -------------------------------------------------------------------------------------------
+
+RANK_TARGETS = {False: "echo_allreduce_cuda", True: "echo_allreduce_comp_cuda"}
+RANK_SHAPES = [(1,), (127,), (3, 333), (4099,), (70001,), (2, 3, 5, 7)]
+BITS_POLICIES = [(b, p) for b in (4, 8) for p in POLICIES]
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def rank_inputs(rng, lead, shape, dtype, scale=1.0):
+    """[*lead, *shape]: rank (i, j, ...) of the mesh contributes x[i, j, ...]."""
+    x = rng.standard_normal((*lead, *shape)) * scale
+    x[..., ::7] = np.abs(x[..., ::7]) + 0.5     # one-sided stretches and zero-straddling groups
+    return np.asarray(x, np.float32).astype(dtype)
+
+
+def run_on_mesh(mesh, axis, configs, xs, states=None):
+    """echo_psum over `axis` of every xs[i] with configs[i], one rank per GPU, in one jitted
+    jax.shard_map over every mesh axis (varying-axes types checked, JAX's default), compiled and
+    run under `jax.set_mesh(mesh)` (the CUDA custom call reads the groups from it).
+
+    xs[i] (and states[i] = (m1, m2), fp32) are global [*mesh shape, *shape] arrays.
+    Returns (outputs, compiled HLO text): outputs[i] is y, or (y, m1, m2) with states, numpy
+    arrays laid out like xs[i].
+    """
+    names = mesh.axis_names
+    lead, new = (0,) * len(names), (None,) * len(names)
+    spec = PS(*names)
+    per = 1 if states is None else 3
+
+    def body(*args):
+        outs = []
+        for i, cfg in enumerate(configs):
+            a = [v[lead] for v in args[per * i:per * (i + 1)]]
+            if states is None:
+                outs.append(ej.echo_psum(a[0], axis, config=cfg)[new])
+            else:
+                y, st = ej.echo_psum(a[0], axis, config=cfg,
+                                     state=ej.CompensatorState(a[1], a[2]))
+                outs += [y[new], st.m1[new], st.m2[new]]
+        return tuple(outs)
+
+    flat = []
+    for i, x in enumerate(xs):
+        flat += [x] if states is None else [x, *states[i]]
+    args = [jax.device_put(a, NamedSharding(mesh, spec)) for a in flat]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(args),
+                              out_specs=(spec,) * len(args)))
+    with jax.set_mesh(mesh):
+        compiled = f.lower(*args).compile()
+        outs = [np.asarray(o) for o in compiled(*args)]
+    if states is not None:
+        outs = [tuple(outs[3 * i:3 * i + 3]) for i in range(len(configs))]
+    return outs, compiled.as_text()
+
+
+def reference_on_mesh(mesh_ndim, axis_pos, configs, xs, states=None):
+    """The "xla" transport (jax.vmap on one device, `reference_many`) of every xs[i] over mesh
+    dimension `axis_pos`, for every index of the other mesh dimension (meshes of one or two
+    axes): per case [y] or [y, m1, m2], numpy arrays laid out like xs[i]."""
+    def flat(outs):
+        return [[np.asarray(o)] if states is None else [np.asarray(v) for v in
+                                                        (o[0], o[1].m1, o[1].m2)] for o in outs]
+
+    def sts(pick):
+        if states is None:
+            return None
+        return [ej.CompensatorState(*(jnp.asarray(pick(m)) for m in st)) for st in states]
+
+    if mesh_ndim == 1:
+        return flat(reference_many(configs, [jnp.asarray(x) for x in xs], sts(lambda m: m)))
+    assert mesh_ndim == 2, mesh_ndim
+    other = 1 - axis_pos
+    parts = [flat(reference_many(configs, [jnp.asarray(np.take(x, j, axis=other)) for x in xs],
+                                 sts(lambda m, j=j: np.take(m, j, axis=other))))
+             for j in range(xs[0].shape[other])]
+    return [[np.stack([p[i][k] for p in parts], axis=other) for k in range(len(parts[0][i]))]
+            for i in range(len(xs))]
+
+
+def assert_same_in_every_group(y, axis_pos, what):
+    """Every rank of a group (the ranks along mesh dimension `axis_pos`) returned the same bits."""
+    yy = np.moveaxis(np.asarray(y), axis_pos, 0)
+    for r in range(1, yy.shape[0]):
+        same_bits(yy[r], yy[0], f"{what}: rank {r} vs rank 0 of its group")
+
+
+def assert_custom_calls(text, compensated, count):
+    """The compiled program runs the CUDA custom call `count` times and no collective: a silent
+    fallback to the "xla" transport (all-to-all + all-gather) would show here."""
+    target = RANK_TARGETS[compensated]
+    found = text.count(f'custom_call_target="{target}"')
+    assert found == count, (f"{found} custom calls to {target} in the compiled program, "
+                            f"expected {count}")
+    for op in ("all-to-all", "all-gather", "all-reduce"):
+        assert op not in text, f"the compiled program has an {op}: a fallback to 'xla'?"
+
+
+@pytest.mark.parametrize("comp", [False, True], ids=["plain", "compensated"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("num_ranks", range(2, 9))
+def test_rank_allreduce_matches_reference(cuda, num_ranks, dtype, comp):
+    """P ranks on P GPUs: echo_psum with transport "p2p" equals the "xla" transport (vmap on one
+    GPU) bit for bit on every rank, the compensated state m1 / m2 too, and every rank returns the
+    same sum. One program runs the six (bits, policy) pairs, each on its own odd shape (the
+    shapes rotate with P, so every pair meets several shapes over P = 2 .. 8)."""
+    mesh = gpu_mesh((num_ranks,), ("tp",))
+    rng = np.random.default_rng(100 * num_ranks + 10 * comp + (dtype == "bf16"))
+    configs, xs, states, whats = [], [], [], []
+    for ci, (bits, policy) in enumerate(BITS_POLICIES):
+        shape = RANK_SHAPES[(ci + num_ranks) % len(RANK_SHAPES)]
+        configs.append(ej.EchoConfig(bits=bits, policy=policy, transport="p2p"))
+        xs.append(rank_inputs(rng, (num_ranks,), shape, DTYPES[dtype]))
+        states.append(tuple(rank_inputs(rng, (num_ranks,), shape, np.float32, 0.05)
+                            for _ in range(2)))
+        whats.append(f"P={num_ranks} bits={bits} {policy} {dtype} shape={shape}"
+                     + (" compensated" if comp else ""))
+    outs, text = run_on_mesh(mesh, "tp", configs, xs, states if comp else None)
+    assert_custom_calls(text, comp, len(configs))
+    wants = reference_on_mesh(1, 0, configs, xs, states if comp else None)
+    for i, want in enumerate(wants):
+        got = list(outs[i]) if comp else [outs[i]]
+        assert got[0].shape == xs[i].shape and got[0].dtype == xs[i].dtype, whats[i]
+        assert_same_in_every_group(got[0], 0, whats[i])
+        for name, a, b in zip(("y", "m1", "m2"), got, want):
+            same_bits(a, b, f"{whats[i]}: {name}")
+
+
+@pytest.mark.parametrize("comp", [False, True], ids=["plain", "compensated"])
+@pytest.mark.parametrize("axis", ["tp", "dp"])
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (4, 2), (2, 4)], ids=lambda s: f"dp{s[0]}xtp{s[1]}")
+def test_rank_allreduce_on_two_axis_meshes(cuda, mesh_shape, axis, comp):
+    """A ("dp", "tp") mesh: reducing over "tp" runs dp independent groups of adjacent GPUs,
+    over "dp" groups of GPUs tp apart (the groups are read from the mesh, not assumed to be
+    0..P-1). Each group equals the "xla" reference on its own inputs bit for bit, every rank of a
+    group returns the same bits, and different groups differ."""
+    mesh = gpu_mesh(mesh_shape, ("dp", "tp"))
+    axis_pos = ("dp", "tp").index(axis)
+    rng = np.random.default_rng(7 * sum(mesh_shape) + axis_pos + 2 * comp)
+    cases = [(4, "asym", (3, 333), "f32"), (8, "sym", (4099,), "bf16")]
+    configs, xs, states, whats = [], [], [], []
+    for bits, policy, shape, dtype in cases:
+        configs.append(ej.EchoConfig(bits=bits, policy=policy, transport="p2p"))
+        xs.append(rank_inputs(rng, mesh_shape, shape, DTYPES[dtype]))
+        states.append(tuple(rank_inputs(rng, mesh_shape, shape, np.float32, 0.05)
+                            for _ in range(2)))
+        whats.append(f"mesh dp={mesh_shape[0]} tp={mesh_shape[1]} over {axis}: bits={bits} "
+                     f"{policy} {dtype} shape={shape}" + (" compensated" if comp else ""))
+    outs, text = run_on_mesh(mesh, axis, configs, xs, states if comp else None)
+    assert_custom_calls(text, comp, len(configs))
+    wants = reference_on_mesh(2, axis_pos, configs, xs, states if comp else None)
+    for i, want in enumerate(wants):
+        got = list(outs[i]) if comp else [outs[i]]
+        assert_same_in_every_group(got[0], axis_pos, whats[i])
+        for name, a, b in zip(("y", "m1", "m2"), got, want):
+            same_bits(a, b, f"{whats[i]}: {name}")
+        first = np.moveaxis(got[0], axis_pos, 0)[0]   # rank 0 of every group, one per group
+        assert not np.array_equal(first[0], first[1]), f"{whats[i]}: two groups gave one sum"
+
+
+def test_auto_chooses_the_custom_call_on_local_gpus(cuda):
+    """transport="auto" (the default) picks the CUDA custom call inside shard_map on local GPUs
+    under jax.set_mesh, within the size limits, and says so through p2p.choose."""
+    mesh = gpu_mesh((2,), ("tp",))
+    cfg = ej.EchoConfig(bits=4)
+    seen = {}
+
+    def body(v):
+        seen["choice"] = p2p.choose(cfg, "tp", v[0].size)
+        return ej.echo_psum(v[0], "tp", config=cfg)[None]
+
+    x = jax.device_put(np.ones((2, 4096), np.float32), NamedSharding(mesh, PS("tp")))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PS("tp"), out_specs=PS("tp")))
+    with jax.set_mesh(mesh):
+        text = f.lower(x).compile().as_text()
+    assert seen["choice"] == "p2p", seen
+    assert_custom_calls(text, False, 1)
