@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 import echo_jax as ej
+from echo_jax import _compat
 from echo_jax import p2p
 from echo_jax import quant
 from conftest import cuda_handlers
@@ -482,3 +483,42 @@ def test_auto_chooses_the_custom_call_on_local_gpus(cuda):
         text = f.lower(x).compile().as_text()
     assert seen["choice"] == "p2p", seen
     assert_custom_calls(text, False, 1)
+
+
+@pytest.mark.parametrize("comp", [False, True], ids=["plain", "compensated"])
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["tp2", "dp2xtp2"])
+def test_rank_results_are_typed_like_the_xla_transport(cuda, mesh_shape, comp):
+    """Inside a type-checked shard_map (check_vma=True, the default) the "p2p" results carry the
+    varying-axes types of the "xla" transport's: the sum invariant over the reduced axis and
+    varying over the other axes, the new state varying over every axis, as x. (ffi_call results
+    are typed invariant over every axis; the CPU path re-types them in echo_jax/p2p.py.) A
+    mismatch breaks, e.g., a lax.scan that carries the state or a dp-varying sum. Trace only."""
+    names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
+    mesh = gpu_mesh(mesh_shape, names)
+    lead = (0,) * len(names)
+    spec = PS(*names)
+    new = (None,) * len(names)
+    seen = {}
+
+    def body(x, m1, m2):
+        results = []
+        for transport in ("p2p", "xla"):
+            cfg = ej.EchoConfig(bits=4, transport=transport)
+            if comp:
+                y, st = ej.echo_psum(x[lead], "tp", config=cfg,
+                                     state=ej.CompensatorState(m1[lead], m2[lead]))
+                outs = {"y": y, "m1": st.m1, "m2": st.m2}
+            else:
+                outs = {"y": ej.echo_psum(x[lead], "tp", config=cfg)}
+            seen[transport] = {k: sorted(_compat.varying_axes(v)) for k, v in outs.items()}
+            results += [v[new] for v in outs.values()]
+        return tuple(results)
+
+    args = [jax.device_put(np.ones((*mesh_shape, 1000), np.float32), NamedSharding(mesh, spec))
+            for _ in range(3)]
+    nout = 2 * (3 if comp else 1)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * nout))
+    with jax.set_mesh(mesh):
+        text = f.lower(*args).as_text()
+    assert RANK_TARGETS[comp] in text, "the p2p half did not take the custom call"
+    assert seen["p2p"] == seen["xla"], f"varying axes, p2p: {seen['p2p']}, xla: {seen['xla']}"
