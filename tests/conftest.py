@@ -19,6 +19,32 @@ def has_gpu() -> bool:
         return False
 
 
+def cuda_handlers():
+    """echo_jax.p2p_cuda with its CUDA handlers, for the `cuda` fixtures of the GPU tests.
+
+    Skips where there is no GPU. Where there is one, a missing or unusable echo_jax._ffi_cuda is
+    a failure, not a skip: a GPU run that silently skipped every kernel test would pass while
+    testing nothing.
+    """
+    if not has_gpu():
+        pytest.skip("needs an NVIDIA GPU")
+    from echo_jax import p2p, p2p_cuda
+    try:
+        p2p_cuda._module()
+    except ImportError as err:
+        pytest.fail(
+            "a GPU is present (jax.devices('gpu') is not empty) but the CUDA handlers "
+            f"echo_jax._ffi_cuda were not built ({err}). Build them where nvcc is found: "
+            "`pip install -e .` (CMake adds the CUDA module when it finds a CUDA compiler and "
+            "ECHO_JAX_CUDA is not OFF; check `nvcc --version` / CUDACXX), or `STEPS=build "
+            ".ci/gpu`, which builds it with CMake + Ninja and copies _ffi_cuda*.so into echo_jax/.",
+            pytrace=False)
+    mismatch = p2p.build_mismatch(p2p_cuda.build_info(), "echo_jax._ffi_cuda")
+    if mismatch is not None:
+        pytest.fail(f"a GPU is present but {mismatch}", pytrace=False)
+    return p2p_cuda
+
+
 def pytest_collection_modifyitems(config, items):
     if has_gpu():
         return

@@ -21,6 +21,7 @@ import pytest
 
 import echo_jax as ej
 from echo_jax import quant
+from conftest import cuda_handlers
 
 pytestmark = pytest.mark.gpu
 POLICIES = ("asym", "sym", "asym_naive")
@@ -32,10 +33,8 @@ POLICY_CODES = {"asym": 0, "sym": 1, "asym_naive": 2}
 
 @pytest.fixture(scope="module")
 def cuda():
-    from echo_jax import p2p_cuda
-    if not p2p_cuda.available():
-        pytest.skip("the CUDA handlers are not built (no nvcc at install time)")
-    return p2p_cuda
+    # Skips without a GPU; fails (does not skip) on a GPU machine without the CUDA handlers.
+    return cuda_handlers()
 
 
 def _bits_view(a):
