@@ -649,6 +649,9 @@ def write_json(path: str, result: dict) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
             f.write("\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> the mode of a plain open()
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
