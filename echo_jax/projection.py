@@ -14,13 +14,14 @@ Notation (per rank; "GB/s" is 1e9 bytes/s, sizes are per rank in the input dtype
     S = message bytes per rank, e = bytes per input element (fp32 4, bf16 2), N = S / e elements
     b = bits (4 or 8), g = group size (128), P = ranks
     w = wire bytes per element = b/8 + 4/g (asym: fp16 scale + fp16 zero-point per group)
-                                 b/8 + 2/g (sym: fp16 scale only)            (the Echo paper, Sec. 4.3)
+                                 b/8 + 2/g (sym: fp16 scale only)       (the Echo paper, Sec. 4.3)
     B = per-direction NVLink bandwidth of one GPU, alpha = per-message latency
     B_nccl = NCCL's effective all-reduce bus bandwidth, eta_p2p = fraction of B that Echo's
              peer-to-peer stores reach
     H_eff = effective HBM bandwidth of a stage (below)
 
-Ideal byte ratio against 16-bit: 2 / w = 16 / (b + 32/g) = 3.76x at b = 4, g = 128 (Sec. 4, Table 1).
+Ideal byte ratio against 16-bit: 2 / w = 16 / (b + 32/g) = 3.76x at b = 4, g = 128 (Sec. 4,
+Table 1).
 
 Rows
 ----
@@ -179,7 +180,7 @@ PRESETS = {
 
 
 def wire_bytes_per_element(bits: int, group_size: int = 128, policy: str = "asym") -> float:
-    """Bytes on the wire per value: b/8 of code plus the group's fp16 parameters (Echo paper Sec. 4.3).
+    """Bytes on the wire per value: b/8 of code plus the fp16 group parameters (Echo paper 4.3).
 
     Args:
       bits: 4 or 8.
@@ -195,7 +196,7 @@ def wire_bytes_per_element(bits: int, group_size: int = 128, policy: str = "asym
 
 def ideal_byte_ratio(bits: int = 4, group_size: int = 128, policy: str = "asym",
                      ref_bytes: float = 2.0) -> float:
-    """The ideal byte reduction against a `ref_bytes`-per-value message (Echo paper Sec. 4, Table 1).
+    """The ideal byte reduction against `ref_bytes` per value (Echo paper Sec. 4, Table 1).
 
     Args:
       bits, group_size, policy: the wire format.
@@ -513,7 +514,8 @@ def project_one(link: Link, row: str, size_bytes: int, ranks: int, dtype: str,
         if measured:
             H, src = N * xla_bytes(e, w, P) / (measured * 1e9), "allreduce-json"
         else:
-            k = np.mean([eff.kernel("quantize", bits, dtype), eff.kernel("dequantize", bits, dtype)])
+            k = np.mean([eff.kernel("quantize", bits, dtype),
+                         eff.kernel("dequantize", bits, dtype)])
             H = N * xla_bytes(e, w, P) / (copy_gbps * k * 1e9)
             src = "kernels-json" if eff.kernel_eff else "default"
         return {**out, "link_s": L, "hbm_s": H, "overlapped_s": L + H, "serial_s": L + H,
@@ -618,17 +620,18 @@ def format_table(result: dict) -> str:
     a = result["paper_a100_p4_1gb"]
     mine = by_key.get(("a100-nvlink3", 4, "bfloat16", 1 << 30))
     lines.append("")
-    lines.append(f"Echo paper, 8x A100 NVLink, P=4, 1 GB 16-bit (measured): NCCL {a['nccl_ms']:.2f} ms;"
+    lines.append(f"Echo paper, 8x A100 NVLink, P=4, 1 GB 16-bit (measured): NCCL "
+                 f"{a['nccl_ms']:.2f} ms;"
                  f" p2p4 {a['p2p4']:.2f}x, comp-fused {a['comp-fused']:.2f}x, "
                  f"p2p8 {a['p2p8']:.2f}x")
     if mine:
+        entry = mine["psum"]["overlapped_s"] / mine["comp-fused"]["entry_only_overlapped_s"]
         lines.append(f"this projection, a100-nvlink3, P=4, 1GB bfloat16:        NCCL "
                      f"{mine['psum']['overlapped_s'] * 1e3:.2f} ms; p2p4 "
                      f"{mine['p2p4']['speedup_vs_psum']:.2f}x, comp-fused "
                      f"{mine['comp-fused']['speedup_vs_psum']:.2f}x, p2p8 "
                      f"{mine['p2p8']['speedup_vs_psum']:.2f}x; comp-fused counting only the "
-                     f"entry reads of m1, m2 (the paper's timing) "
-                     f"{mine['psum']['overlapped_s'] / mine['comp-fused']['entry_only_overlapped_s']:.2f}x")
+                     f"entry reads of m1, m2 (the paper's timing) {entry:.2f}x")
     src = sorted({r["hbm_source"] for r in result["rows"] if r["row"] != "psum"})
     lines.append(f"HBM time from: {', '.join(src)} ({result['sources'] or 'no JSON'}); "
                  f"ideal 4-bit byte ratio vs 16-bit: "
