@@ -7,6 +7,8 @@
                                        [--background-load 0,50,75,100] [--json OUT]
     python -m echo_jax.bench kernels   [--sizes 64MB,256MB] [--json OUT]          (one GPU)
     python -m echo_jax.bench virtual   [--ranks 4] [--sizes 16MB,256MB] [--json OUT]  (one GPU)
+    python -m echo_jax.bench project   [--preset a100-nvlink3] [--ranks 4,8] [--json OUT]
+                                       (no GPU: a projection for P-GPU NVLink machines)
 
 allreduce: the rows of the Echo paper's Table 2 from one run, per message size (bytes per rank):
 `lax.psum` (the 16-bit baseline: NCCL on GPUs), the two-collective Echo protocol in pure JAX
@@ -1309,6 +1311,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", help="write the results to this file")
         if name == "virtual":
             p.add_argument("--ranks", type=_positive_int, default=4)
+    from echo_jax import projection
+    p = sub.add_parser("project", help="projected all-reduce time on a P-GPU NVLink machine",
+                       description="Projected time of one all-reduce (psum, xla4, p2p4, p2p8, "
+                                   "comp-fused) on a P-GPU NVLink machine from a stated link "
+                                   "model and the measured single-GPU times: a projection, not "
+                                   "a measurement. Formulas: echo_jax/projection.py.")
+    projection.add_arguments(p)
     return parser
 
 
@@ -1348,6 +1357,10 @@ def main(argv=None) -> int:
             out = args.json or f"results/bench_e2e_{result['machine']}.json"
             _write_json(out, result)
             print(f"wrote {out}")
+            return 0
+        if args.cmd == "project":
+            from echo_jax import projection
+            projection.run(args)
             return 0
     except ValueError as err:
         print(f"python -m echo_jax.bench {args.cmd}: error: {err}", file=sys.stderr)

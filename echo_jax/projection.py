@@ -1,0 +1,808 @@
+r"""Projection of one all-reduce on a real P-GPU NVLink machine from single-GPU measurements.
+
+    python -m echo_jax.bench project [--preset a100-nvlink3|h200-nvlink4|all] [--ranks 4,8]
+        [--sizes 64MB,256MB,1GB] [--dtypes float32,bfloat16] [--link-gbps G] [--latency-us A]
+        [--hbm-gbps H] [--nccl-busbw-gbps B] [--p2p-eff E] [--state-bytes 4]
+        [--kernels-json F|none] [--allreduce-json F|none] [--json OUT] [--png OUT]
+
+This is a model, not a measurement: the project has measured Echo on one GPU only (virtual ranks),
+so every number here is a projection from a stated link model and the measured single-GPU stage
+times. Pure Python + NumPy: it imports no JAX and needs no GPU.
+
+Notation (per rank; "GB/s" is 1e9 bytes/s, sizes are per rank in the input dtype, MB/GB = 2^20/2^30)
+---------------------------------------------------------------------------------------------
+    S = message bytes per rank, e = bytes per input element (fp32 4, bf16 2), N = S / e elements
+    b = bits (4 or 8), g = group size (128), P = ranks
+    w = wire bytes per element = b/8 + 4/g (asym: fp16 scale + fp16 zero-point per group)
+                                 b/8 + 2/g (sym: fp16 scale only)       (the Echo paper, Sec. 4.3)
+    B = per-direction NVLink bandwidth of one GPU, alpha = per-message latency
+    B_nccl = NCCL's effective all-reduce bus bandwidth, eta_p2p = fraction of B that Echo's
+             peer-to-peer stores reach
+    H_eff = effective HBM bandwidth of a stage (below)
+
+Ideal byte ratio against 16-bit: 2 / w = 16 / (b + 32/g) = 3.76x at b = 4, g = 128 (Sec. 4,
+Table 1).
+
+Rows
+----
+psum (NCCL ring in the input dtype; the Echo paper's 16-bit baseline is the bf16 row):
+    T_psum = 2 (P-1)/P * S / B_nccl + 2 (P-1) alpha
+
+Echo custom call, p2p4 / p2p8 (Sec. 4.1-4.2, App. C): push sends (P-1)/P of the message as codes,
+gather sends (P-1)/P of the reduced codes; every GPU sends and receives at once over its own links:
+    L   = 2 (P-1)/P * N w / (eta_p2p B)                                        (link time)
+    HBM bytes per element (push reads the non-owned x and writes codes into the peers; reduce reads
+    the own x and the P-1 received codes, writes the gathered codes into the peers and the own y;
+    tail reads the P-1 owners' codes and writes y):
+        push   (P-1)/P (e + w)
+        reduce e/P + 2 (P-1)/P w + e/P
+        tail   (P-1)/P (w + e)
+        total  2 e + 4 (P-1)/P w
+    H   = sum over stages of N bytes_stage / H_eff(stage)                       (local HBM time)
+    T_overlapped = max(L, H) + min(L, H) / k + C * 2 alpha     (tiled pipeline; k tiles per chunk,
+                   C chunks: one tile's worth of fill per chunk plus the push and gather flags)
+    T_serial     = L + H + C * 2 alpha                                           (no overlap)
+  k and C follow the kernel's launch plan (ffi/p2p_cuda.cu): tiles of <= 8192 values, >= 64 tiles
+  per segment, a chunk = the tiles whose codes fit one 32 MiB receive slot (one launch per chunk).
+
+comp-fused (p2p4 with the fused compensator, Sec. 5.3): H grows by the compensator's HBM bytes,
+    extra bytes per element = 6 s + e  (reads m1, m2 at entry; re-reads x, m1, m2 and writes m1, m2
+    where y is produced; s = state bytes: 28 B for fp32 x with an fp32 state, 14 B for bf16 x with
+    a bf16 state); then T as for p2p4. The paper times only what the call adds to the critical
+    path, with the state update beside the next matrix multiplication; the JSON's
+    entry_only_overlapped_s counts only the entry reads (2 s) for that comparison.
+
+xla4 (the two-collective baseline, transport "xla": quantize + all-to-all + fp32 sum + quantize +
+all-gather), no overlap:
+    T_xla4 = 2 (P-1)/P * N w / B_nccl + 2 (P-1) alpha + N [2 e + 3 w + (e + 8 + w)/P] / H_eff
+    (quantize all of x: e + w; dequantize P copies + own x + write the fp32 sum: w + (e + 4)/P;
+    quantize the sum: (4 + w)/P; dequantize the gathered codes into y: w + e)
+
+HBM efficiency, in order of preference:
+  1. `--allreduce-json` (`bench allreduce --virtual`, default results/gpu/
+     bench_allreduce_h200x1-virtual4.json): P_v virtual ranks on one GPU, all traffic local, so the
+     GPU moves P_v ranks' HBM bytes in the measured time:
+        H_eff(row) = bytes_model(row, N_m, P_v, dtype_m) * P_v / T_measured(row, S_m)
+                     * hbm_target / hbm_measured_device
+     at the measured size nearest to S (log scale); one H_eff for all stages of the row. xla4, p2p4
+     and p2p8 use their own rows; comp-fused uses p2p4's, and its extra bytes move at
+        extra_bytes(fp32 state) * N_m * P_v / (T(p2p4-comp-fused) - T(p2p4)), scaled alike.
+  2. `--kernels-json` (`bench kernels`, default results/gpu/bench_kernels.json): the copy's measured
+     fraction of the measured device's datasheet HBM bandwidth (eta_copy) and each kernel's
+     fraction of the copy (eta_kernel: push = quantize b-bit in the input dtype, reduce = mean of
+     quantize b-bit fp32 and dequantize b-bit, tail = dequantize b-bit; xla4 = their mean):
+        H_eff(stage) = hbm_target * eta_copy * eta_kernel(stage)
+  3. Neither: eta_copy = 0.8 and eta_kernel = 0.75 (assumptions).
+  Without a measured row the compensator's extra bytes move at the tail stage's H_eff (2. or 3.).
+The standalone kernels of `bench kernels` are the fast quantizer; the all-reduce kernel still uses
+the generic one, so 1. is the projection of the code as it is and 2. of an all-reduce kernel that
+streams at the standalone kernels' efficiency.
+
+Link presets (defaults; every value is overridable by a flag):
+  h200-nvlink4: B = 450 GB/s per direction (NVIDIA H200 SXM datasheet: NVLink 900 GB/s, the sum of
+      both directions over 18 NVLink4 links); HBM 4800 GB/s (datasheet: 4.8 TB/s HBM3e);
+      B_nccl = 370 GB/s (ring: NCCL's maintainers quote ~370 GB/s effective NVLink4 bandwidth after
+      ~20 % protocol overhead; NCCL's NVLink SHARP algorithm reaches ~480 GB/s bus bandwidth on 8
+      GPUs, pass --nccl-busbw-gbps 480 to model it); eta_p2p = 0.82 (the same protocol overhead);
+      alpha = 1 us (assumption: NCCL's small-message all-reduce latency over 2 (P-1) steps is of
+      this order).
+  a100-nvlink3: B = 300 GB/s per direction (NVIDIA A100 SXM datasheet: NVLink 600 GB/s over 12
+      NVLink3 links); HBM 2039 GB/s (A100 80GB SXM datasheet; the 40GB part has 1555 GB/s);
+      B_nccl = 179 GB/s, derived from the Echo paper's own NCCL time (Sec. 7, Table 2: 9.00 ms for
+      a 1 GB 16-bit all-reduce at P = 4, read as 2^30 bytes: 2 * 3/4 * 2^30 B / 9.00 ms), so the
+      psum row reproduces the baseline the paper's speed-ups are relative to; eta_p2p = 0.82;
+      alpha = 1 us.
+The paper's anchors (8x A100 NVLink, P = 4, g = 128, 1 GB 16-bit messages; Sec. 7, Table 2):
+Echo 4-bit 2.65x, 4-bit with fused compensation 2.09x, 8-bit 1.63x against 16-bit NCCL.
+
+Not modelled: NVSwitch contention beyond the per-direction link limit, kernel launch and host
+overheads, clock and power limits, NCCL's algorithm choice (ring only), HBM traffic of NCCL itself
+(assumed hidden), and anything a real multi-GPU run would show that one GPU cannot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+
+import numpy as np
+
+from echo_jax.bench import format_size, parse_sizes
+
+#: Rows of the projection, in the order they are printed.
+ROWS = ("psum", "xla4", "p2p4", "p2p8", "comp-fused")
+
+ROW_LABELS = {
+    "psum": "NCCL ring all-reduce in the input dtype",
+    "xla4": "two-collective 4-bit (quantize, all-to-all, sum, quantize, all-gather)",
+    "p2p4": "Echo custom call 4-bit",
+    "p2p8": "Echo custom call 8-bit",
+    "comp-fused": "Echo 4-bit with the fused compensator",
+}
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+#: The Echo paper's anchors: 8x A100 NVLink, P = 4, g = 128, 1 GB 16-bit (Sec. 7, Table 2).
+PAPER_A100_P4_1GB = {"nccl_ms": 9.00, "p2p4": 2.65, "comp-fused": 2.09, "p2p8": 1.63,
+                     "comp-fused_ms": 4.30}
+
+DEFAULT_KERNELS_JSON = "results/gpu/bench_kernels.json"
+DEFAULT_ALLREDUCE_JSON = "results/gpu/bench_allreduce_h200x1-virtual4.json"
+
+#: Kernel launch plan of ffi/p2p_cuda.cu (tile and slot sizes).
+TILE_VALUES = 8192
+MIN_TILES_PER_SEGMENT = 64
+MAX_TILES = 16384
+SLOT_BYTES = 32 << 20
+
+#: Assumed efficiencies when no measured JSON is given.
+DEFAULT_COPY_EFF = 0.8
+DEFAULT_KERNEL_EFF = 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A machine's link and memory model (see the module docstring for the sources).
+
+    Attributes:
+      name: preset name.
+      link_gbps: per-direction NVLink bandwidth of one GPU, GB/s.
+      latency_us: per-message latency, microseconds.
+      hbm_gbps: datasheet HBM bandwidth, GB/s.
+      nccl_busbw_gbps: NCCL's effective all-reduce bus bandwidth, GB/s.
+      p2p_eff: fraction of link_gbps that Echo's peer-to-peer stores reach.
+      device: substring of the device name this preset describes (for measured JSONs).
+    """
+
+    name: str
+    link_gbps: float
+    latency_us: float
+    hbm_gbps: float
+    nccl_busbw_gbps: float
+    p2p_eff: float
+    device: str
+
+
+PRESETS = {
+    "h200-nvlink4": Link("h200-nvlink4", link_gbps=450.0, latency_us=1.0, hbm_gbps=4800.0,
+                         nccl_busbw_gbps=370.0, p2p_eff=0.82, device="H200"),
+    "a100-nvlink3": Link("a100-nvlink3", link_gbps=300.0, latency_us=1.0, hbm_gbps=2039.0,
+                         nccl_busbw_gbps=round(2 * 3 / 4 * 2**30 / 9.00e-3 / 1e9, 1),
+                         p2p_eff=0.82, device="A100"),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Formulas
+
+
+def wire_bytes_per_element(bits: int, group_size: int = 128, policy: str = "asym") -> float:
+    """Bytes on the wire per value: b/8 of code plus the fp16 group parameters (Echo paper 4.3).
+
+    Args:
+      bits: 4 or 8.
+      group_size: g, values per group.
+      policy: "asym" / "asym_naive" (scale + zero-point: 4/g) or "sym" (scale only: 2/g).
+
+    Returns:
+      b/8 + 4/g (asym) or b/8 + 2/g (sym); 0.53125 at 4 bits, g = 128, asym.
+    """
+    params = 2 if policy == "sym" else 4
+    return bits / 8 + params / group_size
+
+
+def ideal_byte_ratio(bits: int = 4, group_size: int = 128, policy: str = "asym",
+                     ref_bytes: float = 2.0) -> float:
+    """The ideal byte reduction against `ref_bytes` per value (Echo paper Sec. 4, Table 1).
+
+    Args:
+      bits, group_size, policy: the wire format.
+      ref_bytes: bytes per value of the baseline (2 for 16-bit).
+
+    Returns:
+      ref_bytes / wire bytes: 16 / (4 + 32/128) = 3.76 at 4 bits, g = 128, against 16-bit.
+    """
+    return ref_bytes / wire_bytes_per_element(bits, group_size, policy)
+
+
+def ring_allreduce_time(size_bytes: float, ranks: int, busbw_gbps: float,
+                        latency_us: float) -> float:
+    """Seconds of a ring all-reduce (NCCL): 2 (P-1)/P * S / B_nccl + 2 (P-1) alpha.
+
+    Args:
+      size_bytes: S, bytes per rank.
+      ranks: P.
+      busbw_gbps: effective bus bandwidth, GB/s.
+      latency_us: per-step latency, microseconds.
+
+    Returns:
+      Seconds (0 for P = 1).
+    """
+    P = ranks
+    return 2 * (P - 1) / P * size_bytes / (busbw_gbps * 1e9) + 2 * (P - 1) * latency_us * 1e-6
+
+
+def echo_link_time(num_elements: float, ranks: int, wire: float, link_gbps: float,
+                   p2p_eff: float = 1.0) -> float:
+    """Seconds on the link of Echo's push + gather (Echo paper Sec. 4.1): 2 (P-1)/P N w / (eta B).
+
+    Args:
+      num_elements: N, values per rank.
+      ranks: P.
+      wire: w, wire bytes per value.
+      link_gbps: per-direction bandwidth B, GB/s.
+      p2p_eff: eta_p2p, fraction of B reached.
+
+    Returns:
+      Seconds: every GPU sends (P-1)/P of its message in the push and as much in the gather, all
+      links busy at once.
+    """
+    P = ranks
+    return 2 * (P - 1) / P * num_elements * wire / (link_gbps * 1e9 * p2p_eff)
+
+
+def p2p_stage_bytes(elem_bytes: float, wire: float, ranks: int) -> dict:
+    """HBM bytes per value of each stage of the Echo kernel on one GPU (Echo paper Sec. 4.2).
+
+    Args:
+      elem_bytes: e, bytes per input / output value.
+      wire: w, wire bytes per value.
+      ranks: P.
+
+    Returns:
+      {"push": (P-1)/P (e + w), "reduce": 2 e/P + 2 (P-1)/P w, "tail": (P-1)/P (w + e)};
+      the sum is 2 e + 4 (P-1)/P w. Writes into a peer count on the peer (the same by symmetry).
+    """
+    P, e, w = ranks, elem_bytes, wire
+    f = (P - 1) / P
+    return {"push": f * (e + w), "reduce": 2 * e / P + 2 * f * w, "tail": f * (w + e)}
+
+
+def xla_bytes(elem_bytes: float, wire: float, ranks: int) -> float:
+    """HBM bytes per value of the two-collective baseline's XLA passes (transport "xla").
+
+    Args:
+      elem_bytes: e; wire: w; ranks: P.
+
+    Returns:
+      2 e + 3 w + (e + 8 + w) / P: quantize all of x (e + w), dequantize the P received copies and
+      add the own x into an fp32 sum (w + (e + 4)/P), quantize the sum ((4 + w)/P), dequantize the
+      gathered codes into y (w + e).
+    """
+    e, w, P = elem_bytes, wire, ranks
+    return 2 * e + 3 * w + (e + 8 + w) / P
+
+
+def compensator_extra_bytes(elem_bytes: float, state_bytes: float = 4.0) -> float:
+    """Extra HBM bytes per value of the fused compensator (Echo paper Sec. 5.3).
+
+    Args:
+      elem_bytes: e, bytes per input value.
+      state_bytes: s, bytes per value of each of m1 and m2 (4 for fp32, 2 for bf16).
+
+    Returns:
+      6 s + e: reads m1, m2 at entry (2 s); re-reads x, m1, m2 (e + 2 s) and writes m1, m2 (2 s)
+      where y is produced. 28 for fp32 x and state, 14 for bf16 x and state.
+    """
+    return 6 * state_bytes + elem_bytes
+
+
+def launch_plan(num_elements: int, ranks: int, bits: int, group_size: int = 128,
+                policy: str = "asym", slot_bytes: int = SLOT_BYTES) -> tuple:
+    """Tiles per chunk and chunks of the Echo kernel's launch plan (`make_plan` in ffi/p2p_cuda.cu).
+
+    Args:
+      num_elements: N, values per rank.
+      ranks: P; bits, group_size, policy: the wire format; slot_bytes: receive slot size.
+
+    Returns:
+      (tiles per chunk k, chunks C).
+    """
+    g = group_size
+    groups = max(1, math.ceil(num_elements / g))
+    seg_groups = math.ceil(groups / ranks)
+    tile_groups = min(max(math.ceil(seg_groups / MIN_TILES_PER_SEGMENT), 1),
+                      max(1, TILE_VALUES // g))
+    tiles = math.ceil(seg_groups / tile_groups)
+    per_group = g * bits // 8 + (2 if policy == "sym" else 4)
+    cap_tiles = min((slot_bytes - 64) // per_group // tile_groups, MAX_TILES)
+    chunk_tiles = max(1, min(cap_tiles, tiles))
+    return chunk_tiles, math.ceil(tiles / chunk_tiles)
+
+
+def pipelined_time(link_s: float, hbm_s: float, tiles_per_chunk: int, chunks: int,
+                   latency_us: float) -> dict:
+    """Overlapped and serial time of the tiled pipeline (Echo paper Sec. 4.2, App. C).
+
+    Args:
+      link_s: L, seconds on the link; hbm_s: H, seconds of local HBM work.
+      tiles_per_chunk: k; chunks: C (one launch each); latency_us: alpha.
+
+    Returns:
+      {"overlapped": max(L, H) + min(L, H)/k + 2 C alpha, "serial": L + H + 2 C alpha}
+      (overlapped <= serial since k >= 1).
+    """
+    lat = 2 * chunks * latency_us * 1e-6
+    return {"overlapped": max(link_s, hbm_s) + min(link_s, hbm_s) / tiles_per_chunk + lat,
+            "serial": link_s + hbm_s + lat}
+
+
+# --------------------------------------------------------------------------------------------
+# HBM efficiency from measured JSON files
+
+
+def _load_json(path):
+    if not path or str(path).lower() == "none" or not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _device_hbm(device: str | None) -> float | None:
+    """Datasheet HBM GB/s of a measured device name ("NVIDIA H200" -> 4800), or None."""
+    for link in PRESETS.values():
+        if device and link.device.lower() in device.lower():
+            return link.hbm_gbps
+    return None
+
+
+@dataclasses.dataclass
+class Efficiency:
+    """Where H_eff comes from (see the module docstring).
+
+    Attributes:
+      copy_eff: eta_copy, the copy's fraction of the datasheet HBM bandwidth.
+      kernel_eff: {(op, bits, dtype): fraction of the copy} from the kernels JSON ("quantize" in
+        fp32 / bf16, "dequantize" in fp32), empty for the default.
+      measured: {(row, size_bytes): (seconds, ranks, dtype)} from the allreduce --virtual JSON.
+      measured_hbm_gbps: datasheet HBM of the device the allreduce JSON was measured on.
+      sources: the files used, for the output.
+    """
+
+    copy_eff: float = DEFAULT_COPY_EFF
+    kernel_eff: dict = dataclasses.field(default_factory=dict)
+    measured: dict = dataclasses.field(default_factory=dict)
+    measured_hbm_gbps: float | None = None
+    sources: dict = dataclasses.field(default_factory=dict)
+
+    def kernel(self, op: str, bits: int, dtype: str) -> float:
+        """eta_kernel of a stage op ("quantize" / "dequantize"); the default when not measured."""
+        for key in ((op, bits, dtype), (op, bits, "float32")):
+            if key in self.kernel_eff:
+                return self.kernel_eff[key]
+        return DEFAULT_KERNEL_EFF
+
+
+def load_efficiency(kernels_json: str | None = DEFAULT_KERNELS_JSON,
+                    allreduce_json: str | None = DEFAULT_ALLREDUCE_JSON) -> Efficiency:
+    """The HBM efficiencies from `bench kernels` and `bench allreduce --virtual` JSON files.
+
+    Args:
+      kernels_json: path of a `bench kernels` JSON, or None / "none" / a missing file.
+      allreduce_json: path of a `bench allreduce` JSON (virtual ranks), or None / "none" / missing.
+
+    Returns:
+      An Efficiency: eta_copy = copy GB/s / datasheet HBM of its device and eta_kernel = % of copy
+      / 100 per op at the largest measured size; the measured per-row times of the virtual run.
+    """
+    eff = Efficiency()
+    kern = _load_json(kernels_json)
+    if kern:
+        rows = kern.get("rows", [])
+        size = max((r["size_bytes"] for r in rows), default=None)
+        hbm = _device_hbm(kern.get("device"))
+        for r in rows:
+            if r["size_bytes"] != size:
+                continue
+            if r["op"].startswith("copy") and hbm:
+                eff.copy_eff = r["gbps"] / hbm
+            parts = r["op"].split()
+            if len(parts) == 2 and parts[0] in ("quantize", "dequantize") and \
+                    parts[1].endswith("-bit"):
+                eff.kernel_eff[(parts[0], int(parts[1][:-4]), r["dtype"])] = \
+                    r["pct_of_copy"] / 100
+        eff.sources["kernels_json"] = str(kernels_json)
+    ar = _load_json(allreduce_json)
+    if ar and ar.get("rows"):
+        eff.measured_hbm_gbps = _device_hbm(ar.get("device"))
+        for r in ar["rows"]:
+            eff.measured[(r["row"], r["size_bytes"])] = (r["median_s"], r["ranks"],
+                                                         r.get("dtype", ar.get("dtype")))
+        eff.sources["allreduce_json"] = str(allreduce_json)
+    return eff
+
+
+def _row_hbm_bytes(row: str, elem_bytes: float, ranks: int, bits_group_policy: tuple) -> float:
+    bits, g, policy = bits_group_policy
+    w = wire_bytes_per_element(bits, g, policy)
+    if row == "xla4":
+        return xla_bytes(elem_bytes, w, ranks)
+    return sum(p2p_stage_bytes(elem_bytes, w, ranks).values())
+
+
+def measured_hbm_gbps(eff: Efficiency, row: str, size_bytes: int, target_hbm_gbps: float,
+                      group_size: int = 128, policy: str = "asym") -> float | None:
+    """H_eff of a row from the virtual-rank measurement, scaled to the target's HBM bandwidth.
+
+    Args:
+      eff: the loaded Efficiency; row: "xla4", "p2p4" or "p2p8".
+      size_bytes: the projected size (the nearest measured size in log scale is used).
+      target_hbm_gbps: datasheet HBM of the projected machine.
+      group_size, policy: the wire format of the run.
+
+    Returns:
+      GB/s: bytes_model(measured) * P_v / T_measured * target / measured device HBM; None when the
+      row was not measured.
+    """
+    sizes = [s for (r, s) in eff.measured if r == row]
+    if not sizes:
+        return None
+    s_m = min(sizes, key=lambda s: abs(math.log(s / size_bytes)))
+    t, P_v, dtype = eff.measured[(row, s_m)]
+    e = DTYPE_BYTES.get(dtype, 4)
+    bits = 8 if row.endswith("8") else 4
+    moved = s_m / e * _row_hbm_bytes(row, e, P_v, (bits, group_size, policy)) * P_v
+    scale = target_hbm_gbps / (eff.measured_hbm_gbps or target_hbm_gbps)
+    return moved / t / 1e9 * scale
+
+
+def measured_compensator_gbps(eff: Efficiency, size_bytes: int, target_hbm_gbps: float,
+                              state_bytes: float = 4.0) -> float | None:
+    """GB/s at which the fused compensator's extra bytes moved in the virtual-rank run, scaled.
+
+    Args:
+      eff: the loaded Efficiency; size_bytes: the projected size (nearest measured size is used);
+      target_hbm_gbps: datasheet HBM of the projected machine; state_bytes: the measured run's
+      state bytes per value (fp32: 4).
+
+    Returns:
+      compensator_extra_bytes * N_m * P_v / (T(p2p4-comp-fused) - T(p2p4)) * target / measured
+      device HBM, or None when either row is missing or the difference is not positive.
+    """
+    sizes = [s for (r, s) in eff.measured if r == "p2p4-comp-fused" and ("p2p4", s) in eff.measured]
+    if not sizes:
+        return None
+    s_m = min(sizes, key=lambda s: abs(math.log(s / size_bytes)))
+    t_c, P_v, dtype = eff.measured[("p2p4-comp-fused", s_m)]
+    t_p = eff.measured[("p2p4", s_m)][0]
+    if t_c <= t_p:
+        return None
+    e = DTYPE_BYTES.get(dtype, 4)
+    moved = s_m / e * compensator_extra_bytes(e, state_bytes) * P_v
+    scale = target_hbm_gbps / (eff.measured_hbm_gbps or target_hbm_gbps)
+    return moved / (t_c - t_p) / 1e9 * scale
+
+
+# --------------------------------------------------------------------------------------------
+# The projection
+
+
+def project_one(link: Link, row: str, size_bytes: int, ranks: int, dtype: str,
+                eff: Efficiency, *, group_size: int = 128, policy: str = "asym",
+                state_bytes: float = 4.0) -> dict:
+    """Projected time of one all-reduce row on one machine.
+
+    Args:
+      link: the machine (Link); row: one of ROWS; size_bytes: S per rank in `dtype`;
+      ranks: P; dtype: "float32" or "bfloat16"; eff: HBM efficiencies (load_efficiency);
+      group_size, policy: the wire format; state_bytes: compensator state bytes per value.
+
+    Returns:
+      dict(row, size_bytes, ranks, dtype, link_s, hbm_s, overlapped_s, serial_s, hbm_source):
+      overlapped == serial for psum and xla4, which do not overlap; psum's hbm_s is 0 (NCCL's
+      own memory traffic is assumed hidden behind its link time).
+    """
+    e = DTYPE_BYTES[dtype]
+    N = size_bytes / e
+    P = ranks
+    lat = link.latency_us
+    out = dict(row=row, size_bytes=size_bytes, ranks=P, dtype=dtype)
+    if row == "psum":
+        t = ring_allreduce_time(size_bytes, P, link.nccl_busbw_gbps, lat)
+        return {**out, "link_s": t, "hbm_s": 0.0, "overlapped_s": t, "serial_s": t,
+                "hbm_source": "none"}
+    copy_gbps = link.hbm_gbps * eff.copy_eff
+    bits = 8 if row == "p2p8" else 4
+    w = wire_bytes_per_element(bits, group_size, policy)
+    base_row = "p2p4" if row == "comp-fused" else row
+    measured = measured_hbm_gbps(eff, base_row, size_bytes, link.hbm_gbps, group_size, policy)
+    if row == "xla4":
+        L = (ring_allreduce_time(N * w, P, link.nccl_busbw_gbps, lat))  # all-to-all + all-gather
+        if measured:
+            H, src = N * xla_bytes(e, w, P) / (measured * 1e9), "allreduce-json"
+        else:
+            k = np.mean([eff.kernel("quantize", bits, dtype),
+                         eff.kernel("dequantize", bits, dtype)])
+            H = N * xla_bytes(e, w, P) / (copy_gbps * k * 1e9)
+            src = "kernels-json" if eff.kernel_eff else "default"
+        return {**out, "link_s": L, "hbm_s": H, "overlapped_s": L + H, "serial_s": L + H,
+                "hbm_source": src}
+    L = echo_link_time(N, P, w, link.link_gbps, link.p2p_eff)
+    stages = p2p_stage_bytes(e, w, P)
+    tail_eff = eff.kernel("dequantize", bits, dtype)
+    if measured:
+        H, src = N * sum(stages.values()) / (measured * 1e9), "allreduce-json"
+    else:
+        stage_eff = {"push": eff.kernel("quantize", bits, dtype),
+                     "reduce": (eff.kernel("quantize", bits, "float32") + tail_eff) / 2,
+                     "tail": tail_eff}
+        H = sum(N * b / (copy_gbps * stage_eff[s] * 1e9) for s, b in stages.items())
+        src = "kernels-json" if eff.kernel_eff else "default"
+    k, C = launch_plan(int(N), P, bits, group_size, policy)
+    extra = {}
+    if row == "comp-fused":
+        comp_gbps = measured_compensator_gbps(eff, size_bytes, link.hbm_gbps) if measured \
+            else None
+        comp_gbps = comp_gbps or copy_gbps * tail_eff
+        # The paper times only what the call adds to the critical path, with the update beside
+        # the next matrix multiplication: the entry reads of m1, m2 (2 s per value).
+        entry = N * 2 * state_bytes / (comp_gbps * 1e9)
+        extra["entry_only_overlapped_s"] = pipelined_time(L, H + entry, k, C, lat)["overlapped"]
+        H += N * compensator_extra_bytes(e, state_bytes) / (comp_gbps * 1e9)
+    t = pipelined_time(L, H, k, C, lat)
+    return {**out, "link_s": L, "hbm_s": H, "overlapped_s": t["overlapped"],
+            "serial_s": t["serial"], "hbm_source": src, "tiles_per_chunk": k, "chunks": C,
+            **extra}
+
+
+def project(links, sizes, ranks, dtypes, eff: Efficiency, *, group_size: int = 128,
+            policy: str = "asym", state_bytes: float = 4.0) -> dict:
+    """The projection over machines x ranks x dtypes x sizes x ROWS.
+
+    Args:
+      links: Link objects; sizes: bytes per rank; ranks: P values; dtypes: dtype names;
+      eff: HBM efficiencies; group_size, policy, state_bytes: as in project_one.
+
+    Returns:
+      dict(benchmark="project", presets, rows, anchors, sources, ...): each row of project_one plus
+      speedup_vs_psum (overlapped) and serial_speedup_vs_psum, against psum of the same machine,
+      P, dtype and size.
+    """
+    rows = []
+    for link in links:
+        for P in ranks:
+            for dtype in dtypes:
+                for size in sizes:
+                    psum = None
+                    for row in ROWS:
+                        r = project_one(link, row, size, P, dtype, eff, group_size=group_size,
+                                        policy=policy, state_bytes=state_bytes)
+                        r["preset"] = link.name
+                        psum = psum or r["overlapped_s"]
+                        r["speedup_vs_psum"] = psum / r["overlapped_s"]
+                        r["serial_speedup_vs_psum"] = psum / r["serial_s"]
+                        rows.append(r)
+    return {
+        "benchmark": "project",
+        "note": "a projection from a link model and single-GPU measurements, not a measurement",
+        "presets": [dataclasses.asdict(link) for link in links],
+        "group_size": group_size, "policy": policy, "state_bytes": state_bytes,
+        "copy_eff": eff.copy_eff,
+        "kernel_eff": {f"{op} {b}-bit {d}": v for (op, b, d), v in eff.kernel_eff.items()},
+        "sources": eff.sources,
+        "ideal_byte_ratio_4bit_vs_16bit": ideal_byte_ratio(4, group_size, policy),
+        "paper_a100_p4_1gb": PAPER_A100_P4_1GB,
+        "rows": rows,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+
+
+def format_table(result: dict) -> str:
+    """Text table: per machine, P, dtype and size, projected ms (overlapped) and speedup vs psum.
+
+    Args:
+      result: the dict of `project`.
+
+    Returns:
+      The table, with the serial (no-overlap) speedup of p2p4 and the paper's A100 anchors.
+    """
+    lines = []
+    by_key = {}
+    for r in result["rows"]:
+        by_key.setdefault((r["preset"], r["ranks"], r["dtype"], r["size_bytes"]), {})[r["row"]] = r
+    head = ("| machine | P | dtype | size | psum ms | " +
+            " | ".join(f"{row} ms (x)" for row in ROWS[1:]) + " | p2p4 serial (x) |")
+    lines += ["PROJECTION (link model + single-GPU measurements; not a measurement)", head,
+              "|" + "---|" * (head.count("|") - 1)]
+    for (preset, P, dtype, size), rr in by_key.items():
+        cells = [f"{rr[row]['overlapped_s'] * 1e3:.3f} ({rr[row]['speedup_vs_psum']:.2f}x)"
+                 for row in ROWS[1:]]
+        ser = rr["p2p4"]
+        lines.append(f"| {preset} | {P} | {dtype} | {format_size(size)} | "
+                     f"{rr['psum']['overlapped_s'] * 1e3:.3f} | " + " | ".join(cells) +
+                     f" | {ser['serial_s'] * 1e3:.3f} ({ser['serial_speedup_vs_psum']:.2f}x) |")
+    a = result["paper_a100_p4_1gb"]
+    mine = by_key.get(("a100-nvlink3", 4, "bfloat16", 1 << 30))
+    lines.append("")
+    lines.append(f"Echo paper, 8x A100 NVLink, P=4, 1 GB 16-bit (measured): NCCL "
+                 f"{a['nccl_ms']:.2f} ms;"
+                 f" p2p4 {a['p2p4']:.2f}x, comp-fused {a['comp-fused']:.2f}x, "
+                 f"p2p8 {a['p2p8']:.2f}x")
+    if mine:
+        entry = mine["psum"]["overlapped_s"] / mine["comp-fused"]["entry_only_overlapped_s"]
+        lines.append(f"this projection, a100-nvlink3, P=4, 1GB bfloat16:        NCCL "
+                     f"{mine['psum']['overlapped_s'] * 1e3:.2f} ms; p2p4 "
+                     f"{mine['p2p4']['speedup_vs_psum']:.2f}x, comp-fused "
+                     f"{mine['comp-fused']['speedup_vs_psum']:.2f}x, p2p8 "
+                     f"{mine['p2p8']['speedup_vs_psum']:.2f}x; comp-fused counting only the "
+                     f"entry reads of m1, m2 (the paper's timing) {entry:.2f}x")
+    src = sorted({r["hbm_source"] for r in result["rows"] if r["row"] != "psum"})
+    lines.append(f"HBM time from: {', '.join(src)} ({result['sources'] or 'no JSON'}); "
+                 f"ideal 4-bit byte ratio vs 16-bit: "
+                 f"{result['ideal_byte_ratio_4bit_vs_16bit']:.2f}x")
+    return "\n".join(lines)
+
+
+def write_json(path: str, result: dict) -> None:
+    """Write `result` to `path` atomically (a temporary file in the same folder, then rename).
+
+    Args:
+      path: the output file; result: a JSON-serialisable dict.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> the mode of a plain open()
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def plot(result: dict, path: str) -> None:
+    """Speedup vs psum against size, one panel per machine and P (matplotlib, Agg).
+
+    Args:
+      result: the dict of `project`; path: the PNG to write.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["preset"], r["ranks"]) for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (preset, P) in zip(axes[0], panels):
+        for row in ROWS[1:]:
+            for dtype, style in (("float32", "-"), ("bfloat16", "--")):
+                pts = sorted((r["size_bytes"], r["speedup_vs_psum"]) for r in result["rows"]
+                             if (r["preset"], r["ranks"], r["row"], r["dtype"]) ==
+                             (preset, P, row, dtype))
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.plot([x / 2**20 for x in xs], ys, style, marker="o", label=f"{row} {dtype}")
+        if preset == "a100-nvlink3" and P == 4:
+            for key, marker in (("p2p4", "*"), ("comp-fused", "P"), ("p2p8", "X")):
+                ax.plot([1024], [result["paper_a100_p4_1gb"][key]], marker, color="k",
+                        label=f"paper {key} (A100)")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("MiB per rank")
+        ax.set_ylabel("projected speedup vs psum")
+        ax.set_title(f"{preset}, P={P} (projection)")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line (registered as `python -m echo_jax.bench project`)
+
+
+def _list_arg(choices):
+    def parse(text):
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise ValueError(f"bad value {','.join(bad) or text!r}: use {', '.join(choices)}")
+        return items
+    return parse
+
+
+def add_arguments(p) -> None:
+    """The flags of `bench project` on an argparse parser."""
+    import argparse
+
+    def wrap(fn):
+        def parse(text):
+            try:
+                return fn(text)
+            except ValueError as err:
+                raise argparse.ArgumentTypeError(str(err)) from None
+        return parse
+
+    def positive(text):
+        v = float(text)
+        if not v > 0:
+            raise ValueError(f"must be positive, got {text}")
+        return v
+
+    def ranks(text):
+        vals = [int(t) for t in text.split(",") if t.strip()]
+        if not vals or any(v < 2 or v > 8 for v in vals):
+            raise ValueError(f"ranks must be 2..8 (one NVLink domain), got {text!r}")
+        return vals
+
+    p.add_argument("--preset", type=wrap(_list_arg(tuple(PRESETS) + ("all",))), default=["all"],
+                   help="link presets: " + ", ".join(PRESETS) + ", or all (default: all)")
+    p.add_argument("--ranks", type=wrap(ranks), default=[4, 8], metavar="P",
+                   help="ranks, comma list (default: 4,8)")
+    p.add_argument("--sizes", type=wrap(parse_sizes), default=parse_sizes("large"),
+                   help="message sizes per rank in the input dtype (default: 64MB,256MB,1GB)")
+    p.add_argument("--dtypes", type=wrap(_list_arg(tuple(DTYPE_BYTES))),
+                   default=["float32", "bfloat16"], help="input dtypes (default: float32,bfloat16)")
+    p.add_argument("--link-gbps", type=wrap(positive), default=None,
+                   help="per-direction NVLink GB/s per GPU (default: the preset's)")
+    p.add_argument("--latency-us", type=float, default=None,
+                   help="per-message latency in microseconds (default: the preset's)")
+    p.add_argument("--hbm-gbps", type=wrap(positive), default=None,
+                   help="datasheet HBM GB/s (default: the preset's)")
+    p.add_argument("--nccl-busbw-gbps", type=wrap(positive), default=None,
+                   help="NCCL's effective all-reduce bus bandwidth in GB/s (default: the preset's)")
+    p.add_argument("--p2p-eff", type=wrap(positive), default=None,
+                   help="fraction of the link bandwidth Echo's peer stores reach (default: the "
+                        "preset's)")
+    p.add_argument("--state-bytes", type=wrap(positive), default=4.0,
+                   help="compensator state bytes per value: 4 (fp32, default) or 2 (bf16)")
+    p.add_argument("--group-size", type=int, default=128, help="g (default: %(default)s)")
+    p.add_argument("--policy", choices=("asym", "sym"), default="asym",
+                   help="quantizer policy, sets the per-group parameter bytes (default: asym)")
+    p.add_argument("--kernels-json", default=DEFAULT_KERNELS_JSON,
+                   help="`bench kernels` JSON for the kernel efficiency, or none "
+                        "(default: %(default)s when present)")
+    p.add_argument("--allreduce-json", default=DEFAULT_ALLREDUCE_JSON,
+                   help="`bench allreduce --virtual` JSON for the measured single-GPU time, or "
+                        "none (default: %(default)s when present)")
+    p.add_argument("--json", metavar="OUT", default=None, help="write the projection to this file")
+    p.add_argument("--png", metavar="OUT", default=None, help="plot the speedups to this file")
+
+
+def links_from_args(args) -> list:
+    """The Link objects of the parsed flags (the presets with the flags' overrides)."""
+    names = list(PRESETS) if "all" in args.preset else list(dict.fromkeys(args.preset))
+    links = []
+    for name in names:
+        over = {k: v for k, v in (("link_gbps", args.link_gbps),
+                                  ("latency_us", args.latency_us),
+                                  ("hbm_gbps", args.hbm_gbps),
+                                  ("nccl_busbw_gbps", args.nccl_busbw_gbps),
+                                  ("p2p_eff", args.p2p_eff)) if v is not None}
+        links.append(dataclasses.replace(PRESETS[name], **over))
+    return links
+
+
+def run(args) -> dict:
+    """`bench project`: compute, print, and write the JSON / PNG the flags ask for.
+
+    Args:
+      args: parsed flags (add_arguments).
+
+    Returns:
+      The result dict of `project`.
+    """
+    eff = load_efficiency(args.kernels_json, args.allreduce_json)
+    result = project(links_from_args(args), args.sizes, args.ranks, args.dtypes, eff,
+                     group_size=args.group_size, policy=args.policy,
+                     state_bytes=args.state_bytes)
+    print(format_table(result))
+    if args.json:
+        write_json(args.json, result)
+        print(f"wrote {args.json}")
+    if args.png:
+        plot(result, args.png)
+        print(f"wrote {args.png}")
+    return result

@@ -1,0 +1,246 @@
+"""The multi-GPU projection (`echo_jax.projection`, `python -m echo_jax.bench project`).
+
+The formulas against hand-computed values, the model's monotonicity, the measured-JSON paths and
+the command line. No GPU: the module is pure Python + NumPy.
+"""
+
+import json
+import os
+
+import pytest
+
+from echo_jax import bench
+from echo_jax import projection as pj
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNELS = os.path.join(ROOT, pj.DEFAULT_KERNELS_JSON)
+ALLREDUCE = os.path.join(ROOT, pj.DEFAULT_ALLREDUCE_JSON)
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def _default_eff():
+    return pj.load_efficiency(None, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Formulas
+
+
+def test_wire_bytes_and_ideal_ratio():
+    assert pj.wire_bytes_per_element(4, 128, "asym") == 0.5 + 4 / 128 == 0.53125  # 68 B / 128
+    assert pj.wire_bytes_per_element(4, 128, "sym") == 0.5 + 2 / 128
+    assert pj.wire_bytes_per_element(8, 128, "asym") == 1.03125
+    assert pj.wire_bytes_per_element(4, 64, "asym") == 0.5625
+    # The paper's ideal byte ratio at 4 bits, g = 128: 16 / (4 + 32/128) = 3.7647.
+    assert pj.ideal_byte_ratio(4, 128) == pytest.approx(16 / 4.25)
+    assert round(pj.ideal_byte_ratio(4, 128), 2) == 3.76
+    assert pj.ideal_byte_ratio(8, 128) == pytest.approx(16 / 8.25)
+
+
+def test_ring_time_hand_computed():
+    # P = 4, 1 GiB, 200 GB/s, 2 us: 2 * 3/4 * 2^30 / 200e9 + 6 * 2e-6.
+    t = pj.ring_allreduce_time(GiB, 4, 200.0, 2.0)
+    assert t == pytest.approx(1.5 * 2**30 / 200e9 + 12e-6, rel=1e-12)
+    assert t * 1e3 == pytest.approx(8.0653, abs=1e-3)
+    assert pj.ring_allreduce_time(GiB, 1, 200.0, 2.0) == 0.0
+    # P = 8: factor 2 * 7/8 = 1.75 and 14 latencies.
+    assert pj.ring_allreduce_time(GiB, 8, 200.0, 2.0) == pytest.approx(
+        1.75 * 2**30 / 200e9 + 28e-6, rel=1e-12)
+
+
+def test_a100_preset_reproduces_the_paper_nccl_time():
+    link = pj.PRESETS["a100-nvlink3"]
+    t = pj.ring_allreduce_time(GiB, 4, link.nccl_busbw_gbps, link.latency_us)
+    assert t * 1e3 == pytest.approx(pj.PAPER_A100_P4_1GB["nccl_ms"], abs=0.02)
+    assert link.link_gbps == 300.0 and pj.PRESETS["h200-nvlink4"].link_gbps == 450.0
+
+
+def test_echo_link_time_hand_computed():
+    # 2^28 values, P = 4, w = 0.53125, 300 GB/s at efficiency 0.5.
+    t = pj.echo_link_time(2**28, 4, 0.53125, 300.0, 0.5)
+    assert t == pytest.approx(1.5 * 2**28 * 0.53125 / 150e9, rel=1e-12)
+    # 4-bit link time against the 16-bit ring at equal bandwidth: the ideal ratio.
+    ring = pj.ring_allreduce_time(2**28 * 2, 4, 300.0, 0.0)
+    assert ring / pj.echo_link_time(2**28, 4, 0.53125, 300.0) == pytest.approx(16 / 4.25)
+
+
+def test_stage_bytes_sum():
+    for P in (2, 4, 8):
+        for e in (2, 4):
+            w = 0.53125
+            st = pj.p2p_stage_bytes(e, w, P)
+            assert set(st) == {"push", "reduce", "tail"}
+            assert sum(st.values()) == pytest.approx(2 * e + 4 * (P - 1) / P * w)
+    # fp32, P = 4, 4-bit: 8 + 3 * 0.53125.
+    assert sum(pj.p2p_stage_bytes(4, 0.53125, 4).values()) == pytest.approx(9.59375)
+    # xla: 2e + 3w + (e + 8 + w)/P; fp32, P = 4: 8 + 1.59375 + 12.53125 / 4.
+    assert pj.xla_bytes(4, 0.53125, 4) == pytest.approx(8 + 1.59375 + 12.53125 / 4)
+
+
+def test_compensator_extra_bytes():
+    assert pj.compensator_extra_bytes(4, 4) == 28   # fp32 x, fp32 state: the design's 28 B
+    assert pj.compensator_extra_bytes(2, 4) == 26   # bf16 x, fp32 state
+    assert pj.compensator_extra_bytes(2, 2) == 14   # bf16 x, bf16 state
+
+
+def test_pipelined_time():
+    t = pj.pipelined_time(3e-3, 1e-3, 100, 2, 1.0)
+    assert t["overlapped"] == pytest.approx(3e-3 + 1e-3 / 100 + 4e-6)
+    assert t["serial"] == pytest.approx(4e-3 + 4e-6)
+    for L, H, k in ((1e-3, 5e-3, 1), (2e-3, 2e-3, 7), (0.0, 1e-3, 64), (9e-3, 1e-4, 3)):
+        t = pj.pipelined_time(L, H, k, 1, 1.0)
+        assert t["overlapped"] <= t["serial"] + 1e-15
+        assert t["overlapped"] >= max(L, H)
+
+
+def test_launch_plan_follows_the_kernel():
+    # 1 GiB of bf16 at P = 4: 2^20 groups per segment, 64-group tiles (8192 values): 16384 tiles;
+    # a 32 MiB slot holds (2^25 - 64) // 68 // 64 = 7710 tiles: 3 chunks.
+    assert pj.launch_plan(2**29, 4, 4) == (7710, 3)
+    # 8 bits: 132 B per group, (2^25 - 64) // 132 // 64 = 3971 tiles a chunk: 5 chunks.
+    assert pj.launch_plan(2**29, 4, 8) == (3971, 5)
+    # A small message: >= 64 tiles per segment, one chunk.
+    k, c = pj.launch_plan(4 * 128 * 64, 4, 4)
+    assert (k, c) == (64, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# The projection
+
+
+def _rows(result):
+    return {(r["preset"], r["ranks"], r["dtype"], r["size_bytes"], r["row"]): r
+            for r in result["rows"]}
+
+
+def test_project_default_model_by_hand():
+    eff = _default_eff()
+    link = pj.Link("t", link_gbps=100.0, latency_us=0.0, hbm_gbps=1000.0, nccl_busbw_gbps=80.0,
+                   p2p_eff=1.0, device="none")
+    r = pj.project_one(link, "p2p4", 256 * MiB, 4, "float32", eff)
+    N = 64 * MiB
+    L = 1.5 * N * 0.53125 / 100e9
+    bw = 1000e9 * pj.DEFAULT_COPY_EFF * pj.DEFAULT_KERNEL_EFF
+    H = N * 9.59375 / bw
+    assert r["link_s"] == pytest.approx(L) and r["hbm_s"] == pytest.approx(H)
+    assert r["serial_s"] == pytest.approx(L + H)
+    assert r["overlapped_s"] == pytest.approx(max(L, H) + min(L, H) / r["tiles_per_chunk"])
+    c = pj.project_one(link, "comp-fused", 256 * MiB, 4, "float32", eff)
+    assert c["hbm_s"] - r["hbm_s"] == pytest.approx(N * 28 / bw)
+    c2 = pj.project_one(link, "comp-fused", 256 * MiB, 4, "float32", eff, state_bytes=2.0)
+    assert c2["hbm_s"] - r["hbm_s"] == pytest.approx(N * 16 / bw)
+    psum = pj.project_one(link, "psum", 256 * MiB, 4, "float32", eff)
+    assert psum["overlapped_s"] == pytest.approx(1.5 * 256 * MiB / 80e9)
+    x = pj.project_one(link, "xla4", 256 * MiB, 4, "float32", eff)
+    assert x["overlapped_s"] == x["serial_s"] == pytest.approx(
+        1.5 * N * 0.53125 / 80e9 + N * pj.xla_bytes(4, 0.53125, 4) / bw)
+
+
+def test_project_shape_and_monotonicity():
+    eff = pj.load_efficiency(KERNELS, ALLREDUCE)
+    sizes = [64 * MiB, 256 * MiB, GiB]
+    res = pj.project(list(pj.PRESETS.values()), sizes, [4, 8], ["float32", "bfloat16"], eff)
+    rows = _rows(res)
+    assert len(res["rows"]) == 2 * 2 * 2 * 3 * len(pj.ROWS)
+    for (preset, P, dtype, size, row), r in rows.items():
+        assert r["overlapped_s"] > 0 and r["overlapped_s"] <= r["serial_s"] + 1e-15
+        if row == "psum":
+            assert r["speedup_vs_psum"] == 1.0
+        # Bigger messages take longer.
+        bigger = rows.get((preset, P, dtype, size * 4, row))
+        if bigger:
+            assert bigger["overlapped_s"] > r["overlapped_s"]
+        # The compensator only adds time; 8 bits never beat 4 bits at the same HBM efficiency.
+        if row == "comp-fused":
+            assert r["overlapped_s"] > rows[(preset, P, dtype, size, "p2p4")]["overlapped_s"]
+            assert r["entry_only_overlapped_s"] < r["overlapped_s"]
+    for preset in pj.PRESETS:
+        for dtype in ("float32", "bfloat16"):
+            # P = 8 vs P = 4: the ring's 2(P-1)/P grows from 1.5 to 1.75, and so does Echo's link
+            # share (psum: plus 14 instead of 6 latencies).
+            p4 = rows[(preset, 4, dtype, GiB, "psum")]["overlapped_s"]
+            p8 = rows[(preset, 8, dtype, GiB, "psum")]["overlapped_s"]
+            assert 1.75 / 1.5 < p8 / p4 < 1.75 / 1.5 * 1.005
+            l4 = rows[(preset, 4, dtype, GiB, "p2p4")]["link_s"]
+            l8 = rows[(preset, 8, dtype, GiB, "p2p4")]["link_s"]
+            assert l8 / l4 == pytest.approx(1.75 / 1.5)
+    for preset in pj.PRESETS:
+        f = rows[(preset, 4, "float32", GiB, "psum")]["overlapped_s"]
+        b = rows[(preset, 4, "bfloat16", GiB, "psum")]["overlapped_s"]
+        assert f == pytest.approx(b)  # same bytes per rank: the size is bytes, not values
+
+
+def test_measured_json_paths():
+    eff = pj.load_efficiency(KERNELS, ALLREDUCE)
+    assert eff.measured and eff.kernel_eff
+    # The kernels JSON: copy 2990 GB/s on an H200 (4800 GB/s), quantize 4-bit fp32 at 76 %.
+    with open(KERNELS) as f:
+        kern = json.load(f)
+    copy = next(r for r in kern["rows"] if r["op"].startswith("copy"))
+    assert eff.copy_eff == pytest.approx(copy["gbps"] / 4800)
+    assert eff.kernel("quantize", 4, "float32") == pytest.approx(
+        next(r["pct_of_copy"] for r in kern["rows"]
+             if r["op"] == "quantize 4-bit" and r["dtype"] == "float32") / 100)
+    # The measured p2p4 row at 256 MB on 4 virtual ranks, re-derived by hand.
+    with open(ALLREDUCE) as f:
+        ar = json.load(f)
+    t = next(r["median_s"] for r in ar["rows"]
+             if r["row"] == "p2p4" and r["size_bytes"] == 256 * MiB)
+    expect = 64 * MiB * 9.59375 * 4 / t / 1e9
+    assert pj.measured_hbm_gbps(eff, "p2p4", 256 * MiB, 4800.0) == pytest.approx(expect)
+    assert pj.measured_hbm_gbps(eff, "p2p4", GiB, 2400.0) == pytest.approx(expect / 2)
+    link = pj.PRESETS["h200-nvlink4"]
+    r = pj.project_one(link, "p2p4", 256 * MiB, 4, "float32", eff)
+    assert r["hbm_source"] == "allreduce-json"
+    # Same machine and P as the measurement: H is the measured time per virtual rank.
+    assert r["hbm_s"] == pytest.approx(t / 4)
+    assert pj.project_one(link, "p2p4", 256 * MiB, 4, "float32",
+                          pj.load_efficiency(KERNELS, "none"))["hbm_source"] == "kernels-json"
+    assert pj.load_efficiency("none", "none").kernel_eff == {}
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["project", "--help"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage" in out and "project" in out
+
+
+@pytest.mark.parametrize("argv", [["project", "--preset", "b200"], ["project", "--ranks", "16"],
+                                  ["project", "--link-gbps", "-1"],
+                                  ["project", "--dtypes", "int8"]])
+def test_bad_flags(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 2
+
+
+def test_cli_writes_json_from_stored_results(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the default JSON paths are relative to the repository root
+    out = tmp_path / "sub" / "project.json"
+    png = tmp_path / "project.png"
+    assert bench.main(["project", "--json", str(out), "--png", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "PROJECTION" in text and "2.65x" in text and "2.09x" in text and "1.63x" in text
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "project" and "not a measurement" in res["note"]
+    assert res["sources"]["allreduce_json"].endswith("bench_allreduce_h200x1-virtual4.json")
+    assert len(res["rows"]) == 2 * 2 * 2 * 3 * len(pj.ROWS)
+    assert {r["hbm_source"] for r in res["rows"] if r["row"] != "psum"} == {"allreduce-json"}
+    assert png.exists() and png.stat().st_size > 0
+    assert not [p for p in os.listdir(out.parent) if p.endswith(".tmp")]
+    # Overrides reach the model: doubling the link bandwidth halves psum's bandwidth term.
+    out2 = tmp_path / "p2.json"
+    assert bench.main(["project", "--preset", "a100-nvlink3", "--ranks", "4", "--sizes", "1GB",
+                       "--dtypes", "bfloat16", "--nccl-busbw-gbps", "358", "--latency-us", "0",
+                       "--allreduce-json", "none", "--kernels-json", "none",
+                       "--json", str(out2)]) == 0
+    rows = {r["row"]: r for r in json.loads(out2.read_text())["rows"]}
+    assert rows["psum"]["overlapped_s"] == pytest.approx(1.5 * GiB / 358e9)
+    assert rows["p2p4"]["hbm_source"] == "default"
