@@ -49,12 +49,6 @@
 
 namespace ffi = xla::ffi;
 
-// Group sets a warp of the fast stages loads before using any (FastStages::kBatch); a build
-// option so that variants can be timed against each other.
-#ifndef ECHO_JAX_FAST_BATCH
-#define ECHO_JAX_FAST_BATCH 2
-#endif
-
 namespace echo {
 namespace cuda {
 namespace {
@@ -466,51 +460,44 @@ struct FastStages {
     return local * kCodeBytes + static_cast<int64_t>(k * kLanes + j) * kPieceBytes;
   }
 
-  // Each stage handles kBatch of a warp's group sets per iteration, their loads issued before
-  // any of them is used: a lane has kBatch * kLoads 16-byte loads (or code words) in flight
-  // instead of kLoads, which the memory system needs with a quarter of the SMs per virtual rank
-  // (and with NVLink latency on a real machine).
-  static constexpr int kBatch = ECHO_JAX_FAST_BATCH;
+  // Measured on one H200 (4 virtual ranks, 256 MB per rank): issuing the loads of two group
+  // sets per warp before using either, and the P - 1 peers' code words of a group before the
+  // sum, raised the registers (fp32 48 -> 73, bf16 64 -> 90 a thread), so fewer blocks fit an SM,
+  // and made the call slower (p2p4 fp32 1.00 -> 1.10 ms, bf16 1.54 -> 2.23 ms): one group set a
+  // warp at a time, loads issued per stage as below.
 
   // push: quantize the tile's groups of segment seg into owner seg's push slot for this rank.
   __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
     const int j = lane % kLanes;
-    const int stride = warps * kGpw;
     uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
     uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
     // q0 is the same for the 32 lanes of a warp, so every shuffle runs with the whole warp;
     // the lanes of a group past the tile's end compute on zeros and store nothing.
-    for (int q0 = warp * kGpw; q0 < count; q0 += kBatch * stride) {
-      float v[kBatch][kLoads][kVec];
+    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
+      const int q = q0 + lane / kLanes;
+      const bool valid = q < count;
+      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+      float v[kLoads][kVec];
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int q = q0 + u * stride + lane / kLanes;
-        const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+      for (int k = 0; k < kLoads; ++k) {
+        if (valid) {
+          load_contrib(a, e0 + L::index(j, k, 0), v[k]);
+        } else {
 #pragma unroll
-        for (int k = 0; k < kLoads; ++k) {
-          if (q < count) {
-            load_contrib(a, e0 + L::index(j, k, 0), v[u][k]);
-          } else {
-#pragma unroll
-            for (int t = 0; t < kVec; ++t) v[u][k][t] = 0.0f;
-          }
+          for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
         }
       }
+      uint32_t wire;
+      const fast::Encoder enc = group_encoder(a, v, &wire);
+      if (!valid) continue;
+      if (j == 0) fast::store_wire(prm, local0 + q, a.policy, wire);
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int q = q0 + u * stride + lane / kLanes;
-        uint32_t wire;
-        const fast::Encoder enc = group_encoder(a, v[u], &wire);
-        if (q >= count) continue;
-        if (j == 0) fast::store_wire(prm, local0 + q, a.policy, wire);
+      for (int k = 0; k < kLoads; ++k) {
+        uint32_t codes[kVec];
 #pragma unroll
-        for (int k = 0; k < kLoads; ++k) {
-          uint32_t codes[kVec];
-#pragma unroll
-          for (int t = 0; t < kVec; ++t) codes[t] = fast::encode(v[u][k][t], enc);
-          fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, j, k), codes, enc.mask);
-        }
+        for (int t = 0; t < kVec; ++t) codes[t] = fast::encode(v[k][t], enc);
+        fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, j, k), codes, enc.mask);
       }
     }
   }
@@ -524,50 +511,37 @@ struct FastStages {
       const bool valid = q < count;
       const int64_t local = local0 + q;
       const int64_t e0 = (a.me * a.seg_groups + first + q) * G;
-      // Every load first: the peers' parameters and code words (an unrolled loop over the
-      // largest group, so the arrays stay in registers) and the own contribution.
-      uint32_t wires[kMaxCudaRanks];
-      uint2 words[kMaxCudaRanks][kLoads];
-#pragma unroll
-      for (int r = 0; r < kMaxCudaRanks; ++r) {
-        wires[r] = 0u;
-#pragma unroll
-        for (int k = 0; k < kLoads; ++k) words[r][k] = make_uint2(0u, 0u);
-        if (valid && r < a.P && r != a.me) {
-          const uint8_t* slot = a.ws[a.me] + push_slot(r, a.slot_bytes);
-          wires[r] = fast::load_wire(reinterpret_cast<const uint16_t*>(slot + a.params_offset),
-                                     local, a.policy);
+      // fp32 sum in rank order 0..P-1, the own full-precision contribution at its own position.
+      float acc[kLoads][kVec];
+      for (int r = 0; r < a.P; ++r) {
+        float v[kLoads][kVec];
+        if (!valid) {
 #pragma unroll
           for (int k = 0; k < kLoads; ++k)
-            words[r][k] = fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k));
-        }
-      }
-      float own[kLoads][kVec];
 #pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
-        if (valid) {
-          load_contrib(a, e0 + L::index(j, k, 0), own[k]);
+            for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
+        } else if (r == a.me) {
+#pragma unroll
+          for (int k = 0; k < kLoads; ++k) load_contrib(a, e0 + L::index(j, k, 0), v[k]);
         } else {
+          const uint8_t* slot = a.ws[a.me] + push_slot(r, a.slot_bytes);
+          const DequantParams d = fast::decoder_of<BITS>(
+              fast::load_wire(reinterpret_cast<const uint16_t*>(slot + a.params_offset), local,
+                              a.policy),
+              a.policy);
 #pragma unroll
-          for (int t = 0; t < kVec; ++t) own[k][t] = 0.0f;
-        }
-      }
-      // fp32 sum in rank order 0..P-1, the own full-precision contribution at its position.
-      float acc[kLoads][kVec];
+          for (int k = 0; k < kLoads; ++k) {
+            uint32_t codes[kVec];
+            fast::unpack_piece_codes<kVec, BITS>(
+                fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k)), codes);
 #pragma unroll
-      for (int r = 0; r < kMaxCudaRanks; ++r) {
-        if (r >= a.P) break;
-        const DequantParams d = fast::decoder_of<BITS>(wires[r], a.policy);
-#pragma unroll
-        for (int k = 0; k < kLoads; ++k) {
-          uint32_t codes[kVec];
-          fast::unpack_piece_codes<kVec, BITS>(words[r][k], codes);
-#pragma unroll
-          for (int t = 0; t < kVec; ++t) {
-            const float v = r == a.me ? own[k][t] : decode_value(static_cast<uint8_t>(codes[t]), d);
-            acc[k][t] = r == 0 ? v : add_rn(acc[k][t], v);
+            for (int t = 0; t < kVec; ++t) v[k][t] = decode_value(static_cast<uint8_t>(codes[t]), d);
           }
         }
+#pragma unroll
+        for (int k = 0; k < kLoads; ++k)
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) acc[k][t] = r == 0 ? v[k][t] : add_rn(acc[k][t], v[k][t]);
       }
       uint32_t wire;
       const fast::Encoder enc = group_encoder(a, acc, &wire);
@@ -601,36 +575,26 @@ struct FastStages {
   __device__ static void tail(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
     const int j = lane % kLanes;
-    const int stride = warps * kGpw;
     const uint8_t* slot = a.ws[a.me] + gather_slot(seg, a.P, a.slot_bytes);
     const uint16_t* prm = reinterpret_cast<const uint16_t*>(slot + a.params_offset);
-    for (int q0 = warp * kGpw; q0 < count; q0 += kBatch * stride) {
-      uint32_t wires[kBatch];
-      uint2 words[kBatch][kLoads];
+    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
+      const int q = q0 + lane / kLanes;
+      if (q >= count) continue;  // no shuffles here: lanes may leave
+      const int64_t local = local0 + q;
+      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+      const DequantParams d = fast::decoder_of<BITS>(fast::load_wire(prm, local, a.policy), a.policy);
+      uint2 words[kLoads];
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {  // every load of the batch before the first store
-        const int q = q0 + u * stride + lane / kLanes;
-        if (q >= count) continue;
-        wires[u] = fast::load_wire(prm, local0 + q, a.policy);
+      for (int k = 0; k < kLoads; ++k)  // every load of the group before the first store
+        words[k] = fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k));
 #pragma unroll
-        for (int k = 0; k < kLoads; ++k)
-          words[u][k] = fast::load_piece_word<kVec, BITS>(slot + piece_byte(local0 + q, j, k));
-      }
+      for (int k = 0; k < kLoads; ++k) {
+        uint32_t codes[kVec];
+        fast::unpack_piece_codes<kVec, BITS>(words[k], codes);
+        float y[kVec];
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int q = q0 + u * stride + lane / kLanes;
-        if (q >= count) continue;  // no shuffles here: lanes may leave
-        const int64_t e0 = (seg * a.seg_groups + first + q) * G;
-        const DequantParams d = fast::decoder_of<BITS>(wires[u], a.policy);
-#pragma unroll
-        for (int k = 0; k < kLoads; ++k) {
-          uint32_t codes[kVec];
-          fast::unpack_piece_codes<kVec, BITS>(words[u][k], codes);
-          float y[kVec];
-#pragma unroll
-          for (int t = 0; t < kVec; ++t) y[t] = decode_value(static_cast<uint8_t>(codes[t]), d);
-          store_output(a, e0 + L::index(j, k, 0), y);
-        }
+        for (int t = 0; t < kVec; ++t) y[t] = decode_value(static_cast<uint8_t>(codes[t]), d);
+        store_output(a, e0 + L::index(j, k, 0), y);
       }
     }
   }
