@@ -5,6 +5,8 @@ Every result is compared bit for bit with the pure-JAX reference (`collective.xl
 (tests/conftest.py sets it).
 """
 
+import functools
+import re
 import time
 
 import jax
@@ -191,6 +193,52 @@ def test_cpp_f16_conversion_matches_numpy():
     finite = np.isfinite(f)
     np.testing.assert_array_equal(got[finite], want[finite])
     assert np.all((got[~finite] & 0x7C00) == 0x7C00)
+
+
+def conversion_patterns():
+    """fp32 bit patterns for the 16-bit stores: random ones, every tie and near-tie around the
+    bf16 and fp16 rounding points of a few binades, the overflow edges of both formats, fp32 and
+    fp16 subnormals, infinities, and quiet and signalling NaNs of both signs with payloads."""
+    rng = np.random.default_rng(3)
+    parts = [rng.integers(0, 2 ** 32, 2 ** 18, dtype=np.uint64).astype(np.uint32)]
+    for top in (0x3F80, 0x4B00, 0x0080, 0x0001, 0x7F7F, 0x477F, 0x3380, 0x3880):
+        parts.append((np.uint32(top) << 16) + np.arange(0, 0x10000, 0x1F, dtype=np.uint32))
+        parts.append((np.uint32(top) << 16) + np.array([0x7FFF, 0x8000, 0x8001, 0x17FFF,
+                                                         0x18000, 0x18001], np.uint32))
+    parts.append(np.arange(0x7F7F0000, 0x7F800001, 0x101, dtype=np.uint32))  # bf16 overflow
+    parts.append(np.arange(0x477FE000, 0x47800010, dtype=np.uint32))         # fp16 overflow
+    parts.append(np.arange(0, 0x00020000, 0x7, dtype=np.uint32))             # fp32 subnormals
+    parts.append(np.arange(0x33000000 - 8, 0x38800000 + 8, 97, dtype=np.uint32))  # fp16 subn.
+    parts.append(np.array([0x7F800000, 0x7F800001, 0x7F800100, 0x7FA00000, 0x7FBFFFFF,
+                           0x7FC00000, 0x7FC00001, 0x7FC10000, 0x7FE00000, 0x7FFFFFFF,
+                           0x7F810000, 0x7F80FFFF, 0x7FFF8000, 0x7FFF0000], np.uint32))
+    u = np.concatenate(parts)
+    return np.concatenate([u, u | np.uint32(0x80000000)])
+
+
+@functools.lru_cache(maxsize=None)
+def _xla_convert(dtype):
+    """XLA:CPU's own convert of fp32 bit patterns to `dtype`, bits in and out (no host casts)."""
+    bits16 = lambda v: lax.bitcast_convert_type(  # noqa: E731
+        lax.bitcast_convert_type(v, jnp.float32).astype(dtype), jnp.uint16)
+    return jax.jit(bits16)
+
+
+def test_cpp_bf16_conversion_matches_xla_bit_for_bit():
+    """The CPU handler's bf16 store (ffi/echo_common.h f32_to_bf16) rounds exactly like XLA's
+    convert: every finite value, overflow to inf, subnormals, and the bits of every NaN (the
+    tests of the 16-bit all-reduce compare bits, NaNs included)."""
+    from echo_jax import _ffi
+    u = conversion_patterns()
+    got = _ffi.f32_to_bf16_bits(u)[0]
+    want = np.asarray(_xla_convert(jnp.bfloat16)(u))
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, [(hex(u[i]), hex(got[i]), hex(want[i])) for i in bad[:8]]
+    # The software fp16 store agrees with XLA's convert as well, NaN bits included.
+    got16 = _ffi.f32_to_f16_bits(u)[0]
+    want16 = np.asarray(_xla_convert(jnp.float16)(u))
+    bad = np.flatnonzero(got16 != want16)
+    assert bad.size == 0, [(hex(u[i]), hex(got16[i]), hex(want16[i])) for i in bad[:8]]
 
 
 # -------------------------------------------------------------------------------------------
