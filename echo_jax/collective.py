@@ -3,7 +3,13 @@
 Protocol (the same for every transport, so they produce the same bits):
 
 1. Flatten x to fp32 (after the compensator's apply step, Eq. 10) and pad it with zeros to
-   P segments of Gs whole groups each; segment j is owned by rank j.
+   P segments of Gs whole groups each; segment j is owned by rank j. A bfloat16 / float16 x is
+   widened exactly, and the fp32 sum is rounded back to x's dtype (to nearest even) at the end.
+   Where the "p2p" custom call runs and nothing else has to happen in fp32 around it (no
+   rescaling, no rotation; uncompensated, or compensated in the fused call), the 16-bit x goes
+   into the call as it is and the sum comes out in x's dtype: the call widens and rounds itself,
+   with the same bits, and no fp32 copy of x is made in XLA. The compensator state is fp32 always
+   and is updated with the fp32 sum, before its rounding.
 2. Push: every rank quantizes every segment and sends segment j to its owner j (all-to-all).
 3. Reduce: owner j dequantizes the P-1 copies it received and adds them to its own full-precision
    segment in fp32, in rank order 0..P-1 with its own value at its own position, then quantizes
@@ -83,17 +89,22 @@ def _single_axis(axis_name, where):
 
 
 def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
-    """The quantized all-reduce of a flat fp32 contribution with the "xla" transport.
+    """The quantized all-reduce of a flat contribution with the "xla" transport.
 
     Args:
-      x_flat32: fp32 [n] contribution of this rank (already compensated).
+      x_flat32: [n] contribution of this rank (already compensated): fp32, or bfloat16 /
+        float16, which is widened to fp32 first (exactly).
       axis: the bound axis name to reduce over.
       num_ranks: its size P.
       config: bits, group size and policy.
 
     Returns:
-      fp32 [n], identical on every rank.
+      [n] in x's dtype (the fp32 sum, rounded to nearest even for a 16-bit x), identical on
+      every rank.
     """
+    dtype = jnp.result_type(x_flat32)
+    if dtype != jnp.float32:
+        return xla_allreduce(x_flat32.astype(jnp.float32), axis, num_ranks, config).astype(dtype)
     bits, g, policy = config.bits, config.group_size, config.policy
     n = x_flat32.shape[0]
     per_seg, padded = segment_layout(n, num_ranks, g)
@@ -120,14 +131,19 @@ def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
 def _allreduce_f32(x_flat32, axis, num_ranks, config):
+    # x: flat fp32, or bfloat16 / float16 for the custom call (fp32 arithmetic inside either
+    # way); the sum comes back in x's dtype.
     return _dispatch(config, axis, x_flat32.shape[0])(x_flat32, axis, num_ranks, config)
 
 
 @_allreduce_f32.defjvp
 def _allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
     # Straight-through: the derivative of the quantized sum is taken as that of the exact sum.
+    # A 16-bit tangent is summed in fp32 and rounded once, as on the fp32 path around the call
+    # (x.astype(f32) -> sum -> astype), so both paths give the same derivative bits.
     (x,), (t,) = primals, tangents
-    return _allreduce_f32(x, axis, num_ranks, config), lax.psum(t, axis)
+    t = t.astype(jnp.float32)
+    return _allreduce_f32(x, axis, num_ranks, config), lax.psum(t, axis).astype(x.dtype)
 
 
 def _dispatch(config: EchoConfig, axis=None, num_elements=None):
@@ -196,7 +212,7 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
         # Size gate: a small message is latency-bound, so the exact psum is the faster call.
         # Nothing was quantized, so there is no error to feed back: the state passes through.
         return lax.psum(x, axis), state
-    x32 = jnp.ravel(x).astype(jnp.float32)
+    flat = jnp.ravel(x)
     shape = jnp.shape(x)
     if state is not None:
         state = jax.tree.map(lax.stop_gradient, state)
@@ -206,13 +222,17 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     # With the rotation the compensator runs in JAX around the (unfused) transport, so that
     # its state stays in the original basis; the fused custom call would see rotated values.
     rotated = config.rotation == "hadamard"
-    if (state is not None and not rescale and not rotated
-            and resolve_transport(config, axis, x32.shape[0]) == "p2p"):
+    if not rescale and not rotated and resolve_transport(config, axis, flat.shape[0]) == "p2p":
+        # Nothing runs in fp32 around the custom call: x enters it in its own dtype (the call
+        # widens a 16-bit x exactly) and the sum leaves it in x's dtype, rounded from fp32 as
+        # y32.astype(dtype) rounds it.
+        if state is None:
+            return _allreduce_f32(flat, axis, num_ranks, config).reshape(shape), None
         # Fused compensation (Sec. 5.3): the apply step runs in the call's entry pass and the
-        # state update inside the call; m1/m2 are updated in place.
-        y32, m1, m2 = _fused_allreduce_f32(x32, m.m1, m.m2, axis, num_ranks, config)
-        return (y32.reshape(shape).astype(dtype),
-                comp.CompensatorState(m1.reshape(shape), m2.reshape(shape)))
+        # state update inside the call, with the fp32 sum; m1/m2 are updated in place.
+        y, m1, m2 = _fused_allreduce_f32(flat, m.m1, m.m2, axis, num_ranks, config)
+        return y.reshape(shape), comp.CompensatorState(m1.reshape(shape), m2.reshape(shape))
+    x32 = flat.astype(jnp.float32)
     k = comp.Coefficients.from_config(config)
     if state is not None:
         x32 = comp.apply_correction(x32, m, k)
@@ -267,16 +287,20 @@ def _rotated_allreduce_f32_jvp(axis, num_ranks, config, rescale, primals, tangen
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
 def _fused_allreduce_f32(x_flat32, m1, m2, axis, num_ranks, config):
+    # x: flat fp32, bfloat16 or float16 (the sum comes back in its dtype); m1, m2: fp32.
     from echo_jax import p2p
     return p2p.p2p_allreduce_compensated(x_flat32, m1, m2, axis, num_ranks, config)
 
 
 @_fused_allreduce_f32.defjvp
 def _fused_allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
-    # Straight-through for x (as in `_allreduce_f32`); the state carries no derivative.
+    # Straight-through for x (as in `_allreduce_f32`, a 16-bit tangent summed in fp32); the
+    # state carries no derivative.
     x, m1, m2 = primals
     y, n1, n2 = _fused_allreduce_f32(x, m1, m2, axis, num_ranks, config)
-    return (y, n1, n2), (lax.psum(tangents[0], axis), jnp.zeros_like(n1), jnp.zeros_like(n2))
+    t = tangents[0].astype(jnp.float32)
+    return (y, n1, n2), (lax.psum(t, axis).astype(y.dtype), jnp.zeros_like(n1),
+                         jnp.zeros_like(n2))
 
 
 def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,

@@ -42,8 +42,13 @@ ea, eb, b1, c1,    fp32 coefficients of `compensator.Coefficients` and f32(1/P)
 b2, c2, inv_ranks  (compensated call only)
 =================  =========================================================================
 
-Operands: x fp32 [n], (m1, m2 fp32 [n] for the compensated call, aliased to their outputs), and
-coords int32 [2] = (axis_index(axis), group id), the group id numbering the other manual axes.
+Operands: x [n] in float32, bfloat16 or float16, (m1, m2 fp32 [n] for the compensated call,
+aliased to their outputs), and coords int32 [2] = (axis_index(axis), group id), the group id
+numbering the other manual axes. The sum y has x's dtype: a 16-bit x enters and leaves the call in
+its own dtype (no fp32 copy of it in XLA around the call); the handler loads it to fp32 exactly,
+runs the protocol in fp32 and rounds the sum to x's dtype to nearest even, like
+`xla_allreduce(x.astype(f32)).astype(x.dtype)`. The compensated call keeps its state in fp32 and
+updates it with the fp32 sum, before that rounding.
 """
 
 from __future__ import annotations
@@ -84,6 +89,8 @@ DEFAULT_TIMEOUT_S = 10.0
 MAX_RANKS = 256
 MAX_GROUP_SIZE = 1 << 16
 MAX_SEGMENT_ELEMS = 2 ** 31 - 1
+#: dtypes of the contribution x (and of the sum y): the call reads and writes them itself.
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 POLICY_CODES = {p: i for i, p in enumerate(POLICIES)}  # asym 0, sym 1, asym_naive 2
 
 _PLATFORM_ALIASES = {"cuda": "cuda", "gpu": "cuda", "rocm": "rocm", "cpu": "cpu"}
@@ -279,12 +286,14 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
     if not isinstance(config, EchoConfig):
         raise ValueError(f"{where}: config must be an EchoConfig, got {type(config).__name__}")
     shape, dtype = jnp.shape(x_flat32), jnp.result_type(x_flat32)
-    if len(shape) != 1 or dtype != jnp.float32:
-        raise ValueError(f"{where}: x_flat32 must be a flat float32 array, got {dtype}{list(shape)}; "
-                         "pass jnp.ravel(x).astype(jnp.float32)")
+    if len(shape) != 1 or dtype not in DTYPES:
+        raise ValueError(f"{where}: x_flat32 must be a flat float32, bfloat16 or float16 array, "
+                         f"got {dtype}{list(shape)}; pass jnp.ravel(x) (cast other dtypes to "
+                         "float32 first)")
     for name, m in states:
         if jnp.shape(m) != shape or jnp.result_type(m) != jnp.float32:
-            raise ValueError(f"{where}: {name} must be float32{list(shape)} like x_flat32, got "
+            raise ValueError(f"{where}: {name} must be float32{list(shape)} (x_flat32's shape; the "
+                             f"state is fp32 for every dtype of x), got "
                              f"{jnp.result_type(m)}{list(jnp.shape(m))}; flatten the "
                              "CompensatorState from echo_jax.init_state(x)")
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)):
@@ -322,19 +331,21 @@ def _resolve(where, axis, config, x_flat32, num_ranks):
 
 
 def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
-    """The quantized all-reduce of a flat fp32 contribution through the Echo custom call.
+    """The quantized all-reduce of a flat contribution through the Echo custom call.
 
     Same arguments, result and bits as `echo_jax.collective.xla_allreduce` (to which it falls
     back, for transport="auto", where the custom call cannot run, e.g. under vmap).
 
     Args:
-      x_flat32: fp32 [n] contribution of this rank (already compensated).
+      x_flat32: [n] contribution of this rank (already compensated), float32, bfloat16 or
+        float16; a 16-bit one goes into the call as it is (the arithmetic inside is fp32).
       axis: the bound axis name to reduce over.
       num_ranks: its size P.
       config: bits, group size and policy.
 
     Returns:
-      fp32 [n], identical on every rank (typed like lax.psum's result).
+      [n] in x's dtype, identical on every rank (typed like lax.psum's result): the fp32 sum
+      rounded to x's dtype.
     """
     where = "p2p_allreduce"
     if _resolve(where, axis, config, x_flat32, num_ranks) is not None:
@@ -346,7 +357,7 @@ def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
     attrs = _check_call(where, x_flat32, axis, num_ranks, config)
     _register(_current_platform(jax.sharding.get_abstract_mesh()))
     n = jnp.shape(x_flat32)[0]
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n,), jnp.float32),
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n,), x_flat32.dtype),
                             vmap_method="sequential")
     y = call(x_flat32, _coords(axis), **attrs)
     return _compat.to_varying(y, _compat.varying_axes(x_flat32) - {axis})
@@ -359,20 +370,28 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     The apply step x' = x + eta (a m1 + (1 - a) m2) runs in the call's entry pass and the state
     update u = x' - y/P, m_j = beta_j m_j + (1 - beta_j) u inside the call once y is known; m1 and
     m2 are updated in place (input_output_aliases). Equal, bit for bit, to
-    `comp.apply_correction` + `xla_allreduce` + `comp.update_state`.
+    `comp.apply_correction` + `xla_allreduce` + `comp.update_state` on x.astype(f32), the sum
+    then cast to x's dtype.
+
+    Args:
+      x_flat32: [n] contribution before correction, float32, bfloat16 or float16 (passed to the
+        call as it is).
+      m1_flat, m2_flat: fp32 [n], the flattened CompensatorState.
+      axis, num_ranks, config: as `p2p_allreduce`.
 
     Returns:
-      (y fp32 [n] identical on every rank, m1_new fp32 [n], m2_new fp32 [n]).
+      (y [n] in x's dtype, identical on every rank, m1_new fp32 [n], m2_new fp32 [n]); the state
+      is updated with the fp32 sum, before its rounding to x's dtype.
     """
     where = "p2p_allreduce_compensated"
     k = comp.Coefficients.from_config(config)
     if _resolve(where, axis, config, x_flat32, num_ranks) is not None:
         from echo_jax.collective import xla_allreduce
         state = comp.CompensatorState(m1_flat, m2_flat)
-        x_prime = comp.apply_correction(x_flat32, state, k)
+        x_prime = comp.apply_correction(x_flat32.astype(jnp.float32), state, k)
         y = xla_allreduce(x_prime, axis, num_ranks, config)
         new = comp.update_state(x_prime, y, num_ranks, state, k)
-        return y, new.m1, new.m2
+        return y.astype(x_flat32.dtype), new.m1, new.m2
     if _on_gpu():
         from echo_jax import p2p_cuda
         y, new = p2p_cuda.rank_allreduce(x_flat32, axis, num_ranks, config,
@@ -382,8 +401,9 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
                         states=(("m1_flat", m1_flat), ("m2_flat", m2_flat)))
     _register(_current_platform(jax.sharding.get_abstract_mesh()))
     n = jnp.shape(x_flat32)[0]
-    out = jax.ShapeDtypeStruct((n,), jnp.float32)
-    call = jax.ffi.ffi_call(TARGET_COMPENSATED, (out, out, out), vmap_method="sequential",
+    y_type = jax.ShapeDtypeStruct((n,), x_flat32.dtype)
+    m_type = jax.ShapeDtypeStruct((n,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET_COMPENSATED, (y_type, m_type, m_type), vmap_method="sequential",
                             input_output_aliases={1: 1, 2: 2})
     f32 = np.float32
     y, m1, m2 = call(x_flat32, m1_flat, m2_flat, _coords(axis), **attrs,

@@ -18,6 +18,13 @@
 //   tail    rank i waits for flag_j >= base+2 of every owner j, dequantizes their codes into y
 //           (and updates the state of those segments).
 //
+// Dtypes: x and y are float32, bfloat16 or float16 (y in x's dtype), so a 16-bit contribution
+// needs no fp32 copy in XLA around the call. Every load widens x to fp32 exactly, the protocol
+// runs in fp32, and the final store rounds the fp32 sum to y's dtype to nearest even, bit for bit
+// as XLA's convert does (ffi/echo_common.h): the bits of
+// xla_allreduce(x.astype(f32)).astype(dtype). The compensated call's state m1, m2 is fp32 and is
+// updated with the fp32 sum, before its rounding.
+//
 // Flags, epochs and slot reuse
 // ----------------------------
 // Every rank has one monotone readiness flag (an int64 on its own cache line). A rank's k-th call
@@ -122,6 +129,7 @@ using Clock = std::chrono::steady_clock;
 // -------------------------------------------------------------------------------------------
 
 struct CallConfig {
+  ffi::DataType dtype;  // of x and y: F32, BF16 or F16 (the state m1, m2 is always F32)
   int num_ranks;
   int bits;
   int group_size;
@@ -141,14 +149,57 @@ struct CallConfig {
   uint64_t signature;   // hash of the shape and format, compared between the ranks of a call
 };
 
+// The dtypes of x and y: the contribution enters and the sum leaves the call in x's own dtype.
+bool IsContributionType(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
+size_t ElementBytes(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
+
+// The NumPy name of a dtype, for error messages.
+std::string DTypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::PRED: return "bool";
+    default: return StrCat("XLA element type ", static_cast<int>(t));
+  }
+}
+
+std::string ShapeText(ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Checks the contribution x ([n] float32, bfloat16 or float16) and the sum y (x's dtype and n).
+Error_Type CheckContribution(const Buffer_Type& x, const Result_Type& y) {
+  ECHO_FFI_CHECK(IsContributionType(x.element_type()) && x.dimensions().size() == 1, kWhere,
+                 "operand x must be a flat float32, bfloat16 or float16 array, got ",
+                 DTypeName(x.element_type()), ShapeText(x.dimensions()),
+                 "; pass jnp.ravel(x) (cast other dtypes to float32 first)");
+  ECHO_FFI_CHECK(y->element_type() == x.element_type(), kWhere, "result y is ",
+                 DTypeName(y->element_type()), " but operand x is ", DTypeName(x.element_type()),
+                 ": the sum has x's dtype (echo_jax/p2p.py declares it so)");
+  ECHO_FFI_CHECK(y->element_count() == x.element_count(), kWhere, "result has ",
+                 y->element_count(), " elements, operand x has ", x.element_count());
+  return Error_Type::Success();
+}
+
 uint64_t Mix(uint64_t h, uint64_t v) {
   h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
   return h;
 }
 
 // Reads and validates the attributes (limits documented in echo_jax/p2p.py).
-ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, bool compensated) {
+ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, ffi::DataType dtype,
+                                     bool compensated) {
   CallConfig c{};
+  c.dtype = dtype;
   c.n = n;
   c.compensated = compensated;
   ECHO_FFI_ASSIGN_OR_RETURN(int64_t num_ranks,
@@ -205,7 +256,8 @@ ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, bo
   uint64_t h = 0x6563686F6A617821ull;  // "echojax!"
   for (uint64_t v : {static_cast<uint64_t>(n), static_cast<uint64_t>(num_ranks),
                      static_cast<uint64_t>(bits), static_cast<uint64_t>(g),
-                     static_cast<uint64_t>(policy), static_cast<uint64_t>(compensated)}) {
+                     static_cast<uint64_t>(policy), static_cast<uint64_t>(compensated),
+                     static_cast<uint64_t>(dtype)}) {
     h = Mix(h, v);
   }
   c.signature = h;
@@ -551,18 +603,46 @@ Error_Type WaitFlag(const WaitSite& w, int peer, int64_t target, const char* sta
 
 // Views of one rank's operands.
 struct RankIO {
-  const float* x;
+  const void* x;     // cfg.dtype: float, or the uint16 bits of a bf16 / fp16
   const float* m1;   // compensated only
   const float* m2;
-  float* y;
+  void* y;           // cfg.dtype, like x
   float* m1_out;     // may alias m1 (input_output_aliases)
   float* m2_out;
 };
 
+// Element k of x in fp32 (exact for each of the three dtypes: the x.astype(f32) of the reference).
+inline float LoadX(const CallConfig& cfg, const RankIO& io, int64_t k) {
+  switch (cfg.dtype) {
+    case ffi::DataType::BF16:
+      return echo::bf16_to_f32(static_cast<const uint16_t*>(io.x)[k]);
+    case ffi::DataType::F16:
+      return echo::f16_to_f32(static_cast<const uint16_t*>(io.x)[k]);
+    default:
+      return static_cast<const float*>(io.x)[k];
+  }
+}
+
+// Stores the fp32 sum v as element k of y, rounded to nearest even for bf16 / fp16 (the
+// y32.astype(dtype) of the reference).
+inline void StoreY(const CallConfig& cfg, const RankIO& io, int64_t k, float v) {
+  switch (cfg.dtype) {
+    case ffi::DataType::BF16:
+      static_cast<uint16_t*>(io.y)[k] = echo::f32_to_bf16(v);
+      break;
+    case ffi::DataType::F16:
+      static_cast<uint16_t*>(io.y)[k] = echo::f32_to_f16(v);
+      break;
+    default:
+      static_cast<float*>(io.y)[k] = v;
+  }
+}
+
 // x' of element k of the padded layout: x + c (fused apply step) and 0 in the padding.
 inline float LoadContribution(const CallConfig& cfg, const RankIO& io, int64_t k) {
   if (k >= cfg.n) return 0.0f;
-  return cfg.compensated ? echo::comp_apply(io.x[k], io.m1[k], io.m2[k], cfg.k) : io.x[k];
+  const float x = LoadX(cfg, io, k);
+  return cfg.compensated ? echo::comp_apply(x, io.m1[k], io.m2[k], cfg.k) : x;
 }
 
 inline uint16_t* SlotParams(uint8_t* slot) { return reinterpret_cast<uint16_t*>(slot); }
@@ -585,8 +665,9 @@ void QuantizeSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8
   }
 }
 
-// Dequantizes the codes of segment `seg` into y (unpadded part) and, for the compensated call,
-// runs the state update of those elements (the update step, inside the call).
+// Dequantizes the codes of segment `seg` into y (unpadded part, stored in y's dtype) and, for the
+// compensated call, runs the state update of those elements (the update step, inside the call)
+// with the fp32 sum, before its rounding to a 16-bit y.
 void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t* slot) {
   const int g = cfg.group_size;
   const uint16_t* params = SlotParams(slot);
@@ -599,15 +680,14 @@ void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t
         echo::dequant_params(params + gi * cfg.nparams, cfg.bits, cfg.policy);
     const uint8_t* gc = codes + gi * cfg.code_bytes;
     for (int t = 0; t < count; ++t) {
-      io.y[k0 + t] = echo::decode_value(echo::unpack_code(gc, t, cfg.bits), d);
-    }
-    if (cfg.compensated) {
-      for (int t = 0; t < count; ++t) {
-        const int64_t k = k0 + t;
+      const int64_t k = k0 + t;
+      const float y = echo::decode_value(echo::unpack_code(gc, t, cfg.bits), d);
+      StoreY(cfg, io, k, y);
+      if (cfg.compensated) {
         const float m1 = io.m1[k];  // read before writing: m1_out may alias m1
         const float m2 = io.m2[k];
-        const float xp = echo::comp_apply(io.x[k], m1, m2, cfg.k);
-        echo::comp_update(xp, io.y[k], m1, m2, cfg.k, &io.m1_out[k], &io.m2_out[k]);
+        const float xp = echo::comp_apply(LoadX(cfg, io, k), m1, m2, cfg.k);
+        echo::comp_update(xp, y, m1, m2, cfg.k, &io.m1_out[k], &io.m2_out[k]);
       }
     }
   }
@@ -630,7 +710,7 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
                    ws.BrokenReason());
   }
   if (cfg.absent_rank == me) {  // test hook: behave like a peer that never arrives
-    std::fill(io.y, io.y + cfg.n, 0.0f);
+    std::memset(io.y, 0, static_cast<size_t>(cfg.n) * ElementBytes(cfg.dtype));  // +0 in any dtype
     if (cfg.compensated) {
       if (io.m1_out != io.m1) std::copy(io.m1, io.m1 + cfg.n, io.m1_out);
       if (io.m2_out != io.m2) std::copy(io.m2, io.m2 + cfg.n, io.m2_out);
@@ -672,7 +752,7 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
           ") and rank ", i, " disagree on ",
           peer_run != c.run_id ? "the execution (two executions interleaved on one device)"
                                : "the shape or format of the all-reduce",
-          "; every rank must pass the same n, bits, group_size and policy");
+          "; every rank must pass the same n, dtype, bits, group_size and policy");
       ws.MarkBroken(msg);
       return Internal(kWhere, msg);
     }
@@ -858,36 +938,38 @@ ffi::ErrorOr<Coords> ReadCoords(S32Buffer_Type coords, int32_t device_ordinal, f
   return Coords{rank, group, device_ordinal, run_id.run_id};
 }
 
-ffi::ErrorOr<Job> PrepareAllReduce(int32_t device_ordinal, ffi::RunId run_id, F32Buffer_Type x,
-                                   S32Buffer_Type coords, F32Result_Type y,
+ffi::ErrorOr<Job> PrepareAllReduce(int32_t device_ordinal, ffi::RunId run_id, Buffer_Type x,
+                                   S32Buffer_Type coords, Result_Type y,
                                    const Dictionary_Type& attrs) {
+  ECHO_FFI_RETURN_IF_ERROR(CheckContribution(x, y));
   const int64_t n = static_cast<int64_t>(x.element_count());
-  ECHO_FFI_CHECK(static_cast<int64_t>(y->element_count()) == n, kWhere, "result has ",
-                 y->element_count(), " elements, operand x has ", n);
-  ECHO_FFI_ASSIGN_OR_RETURN(CallConfig cfg, ParseConfig(attrs, n, /*compensated=*/false));
+  ECHO_FFI_ASSIGN_OR_RETURN(CallConfig cfg,
+                            ParseConfig(attrs, n, x.element_type(), /*compensated=*/false));
   ECHO_FFI_ASSIGN_OR_RETURN(Coords c, ReadCoords(coords, device_ordinal, run_id, cfg.num_ranks));
-  return Job{cfg, c, RankIO{x.typed_data(), nullptr, nullptr, y->typed_data(), nullptr, nullptr}};
+  return Job{cfg, c,
+             RankIO{x.untyped_data(), nullptr, nullptr, y->untyped_data(), nullptr, nullptr}};
 }
 
 ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId run_id,
-                                              F32Buffer_Type x, F32Buffer_Type m1,
+                                              Buffer_Type x, F32Buffer_Type m1,
                                               F32Buffer_Type m2, S32Buffer_Type coords,
-                                              F32Result_Type y, F32Result_Type m1_out,
+                                              Result_Type y, F32Result_Type m1_out,
                                               F32Result_Type m2_out,
                                               const Dictionary_Type& attrs) {
+  ECHO_FFI_RETURN_IF_ERROR(CheckContribution(x, y));
   const int64_t n = static_cast<int64_t>(x.element_count());
   ECHO_FFI_CHECK(static_cast<int64_t>(m1.element_count()) == n &&
                      static_cast<int64_t>(m2.element_count()) == n,
                  kWhere, "state m1/m2 have ", m1.element_count(), "/", m2.element_count(),
                  " elements, the contribution has ", n, "; use echo_jax.init_state(x)");
-  ECHO_FFI_CHECK(static_cast<int64_t>(y->element_count()) == n &&
-                     static_cast<int64_t>(m1_out->element_count()) == n &&
+  ECHO_FFI_CHECK(static_cast<int64_t>(m1_out->element_count()) == n &&
                      static_cast<int64_t>(m2_out->element_count()) == n,
                  kWhere, "every result must have ", n, " elements");
-  ECHO_FFI_ASSIGN_OR_RETURN(CallConfig cfg, ParseConfig(attrs, n, /*compensated=*/true));
+  ECHO_FFI_ASSIGN_OR_RETURN(CallConfig cfg,
+                            ParseConfig(attrs, n, x.element_type(), /*compensated=*/true));
   ECHO_FFI_ASSIGN_OR_RETURN(Coords c, ReadCoords(coords, device_ordinal, run_id, cfg.num_ranks));
   return Job{cfg, c,
-             RankIO{x.typed_data(), m1.typed_data(), m2.typed_data(), y->typed_data(),
+             RankIO{x.untyped_data(), m1.typed_data(), m2.typed_data(), y->untyped_data(),
                     m1_out->typed_data(), m2_out->typed_data()}};
 }
 
@@ -895,15 +977,15 @@ ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId
 // Impl functions over ffi::Buffer.
 // -------------------------------------------------------------------------------------------
 
-ffi::Future EchoAllReduceCpuImpl(int32_t device_ordinal, ffi::RunId run_id, F32Buffer_Type x,
-                                 S32Buffer_Type coords, F32Result_Type y, Dictionary_Type attrs) {
+ffi::Future EchoAllReduceCpuImpl(int32_t device_ordinal, ffi::RunId run_id, Buffer_Type x,
+                                 S32Buffer_Type coords, Result_Type y, Dictionary_Type attrs) {
   return Launch(PrepareAllReduce(device_ordinal, run_id, x, coords, y, attrs));
 }
 
 ffi::Future EchoAllReduceCompensatedCpuImpl(int32_t device_ordinal, ffi::RunId run_id,
-                                            F32Buffer_Type x, F32Buffer_Type m1,
+                                            Buffer_Type x, F32Buffer_Type m1,
                                             F32Buffer_Type m2, S32Buffer_Type coords,
-                                            F32Result_Type y, F32Result_Type m1_out,
+                                            Result_Type y, F32Result_Type m1_out,
                                             F32Result_Type m2_out, Dictionary_Type attrs) {
   return Launch(PrepareAllReduceCompensated(device_ordinal, run_id, x, m1, m2, coords, y, m1_out,
                                             m2_out, attrs));
@@ -928,9 +1010,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     echo_jax::FFI::Bind()
         .Ctx<xla::ffi::DeviceOrdinal>()          // this rank's device (identifies it in the join)
         .Ctx<xla::ffi::RunId>()                  // this execution, shared by all its devices
-        .Arg<echo_jax::F32Buffer_Type>()         // x: fp32 [n], this rank's contribution
+        .Arg<echo_jax::Buffer_Type>()            // x: [n] f32/bf16/f16, this rank's contribution
         .Arg<echo_jax::S32Buffer_Type>()         // coords: int32 [2] = (rank, group id)
-        .Ret<echo_jax::F32Buffer_Type>()         // y: fp32 [n], the sum, identical on every rank
+        .Ret<echo_jax::Buffer_Type>()            // y: [n] x's dtype, the sum, same on every rank
         .Attrs());  // num_ranks, bits, group_size, policy, segment_groups, site, timeout_ms,
                     // debug_absent_rank (see echo_jax/p2p.py)
 
@@ -940,11 +1022,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     echo_jax::FFI::Bind()
         .Ctx<xla::ffi::DeviceOrdinal>()          // this rank's device (identifies it in the join)
         .Ctx<xla::ffi::RunId>()                  // this execution, shared by all its devices
-        .Arg<echo_jax::F32Buffer_Type>()         // x: fp32 [n], contribution before correction
+        .Arg<echo_jax::Buffer_Type>()            // x: [n] f32/bf16/f16, before correction
         .Arg<echo_jax::F32Buffer_Type>()         // m1: fp32 [n], slow average (aliased to m1_out)
         .Arg<echo_jax::F32Buffer_Type>()         // m2: fp32 [n], fast average (aliased to m2_out)
         .Arg<echo_jax::S32Buffer_Type>()         // coords: int32 [2] = (rank, group id)
-        .Ret<echo_jax::F32Buffer_Type>()         // y: fp32 [n], QAR(x + c), identical on all ranks
+        .Ret<echo_jax::Buffer_Type>()            // y: [n] x's dtype, QAR(x + c), same on all ranks
         .Ret<echo_jax::F32Buffer_Type>()         // m1_out: fp32 [n], updated slow average
         .Ret<echo_jax::F32Buffer_Type>()         // m2_out: fp32 [n], updated fast average
         .Attrs());  // as above plus ea, eb, b1, c1, b2, c2, inv_ranks (fp32 coefficients)

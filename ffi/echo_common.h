@@ -10,9 +10,9 @@
 //     compiled with -ffp-contract=off (see CMakeLists.txt) and device code goes through the
 //     __fmul_rn / __fadd_rn intrinsics (mul_rn / add_rn / sub_rn below), which nvcc never
 //     contracts. Where the JAX reference uses `_no_fma` the product is rounded before the sum.
-//   * fp32 <-> fp16 conversions are done in software on the bit patterns (round to nearest even,
-//     correct for subnormals, infinities and NaNs), so they do not depend on F16C, on the CUDA
-//     half intrinsics or on the denormal mode of the FPU.
+//   * fp32 <-> fp16 and fp32 <-> bf16 conversions are done in software on the bit patterns (round
+//     to nearest even, correct for subnormals, infinities and NaNs), so they do not depend on
+//     F16C, on the CUDA half intrinsics or on the denormal mode of the FPU.
 //   * rne() rounds half to even (jnp.round): std::nearbyint on the host (XLA runs its CPU thunks
 //     with the default round-to-nearest mode), rintf on the device.
 //   * The reciprocal is the correctly rounded 1/s (0 when s == 0), computed once per group.
@@ -207,6 +207,29 @@ ECHO_HD uint16_t f16_round_up(float v) {
   const uint16_t h = f32_to_f16(v);
   return f16_to_f32(h) < v ? f16_next_up(h) : h;  // false for NaN: stays NaN
 }
+
+// ----------------------------------------------------------------------------------------------
+// bf16 <-> fp32 in software (the 16-bit contributions of the custom call).
+// ----------------------------------------------------------------------------------------------
+
+// fp32 -> bf16, round to nearest, ties to even, bit for bit XLA:CPU's convert (astype(bfloat16)).
+// Finite values too large for bf16 round to infinity, subnormals round on their bits like any
+// other value (nothing is flushed), and every NaN becomes the quiet NaN of its sign with no
+// payload (0x7FC0 / 0xFFC0), as XLA's convert makes it (tests/test_p2p_cpu.py checks all three
+// against XLA).
+ECHO_HD uint16_t f32_to_bf16(float f) {
+  const uint32_t x = f32_bits(f);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) {
+    return static_cast<uint16_t>(((x >> 16) & 0x8000u) | 0x7FC0u);
+  }
+  // Add half an ulp of bf16 (minus one unless the kept part is odd) and truncate; a carry out of
+  // the mantissa bumps the exponent, up to infinity (0x7F7FFFFF + 0x8000 = 0x7F807FFF).
+  const uint32_t odd = (x >> 16) & 1u;
+  return static_cast<uint16_t>((x + 0x7FFFu + odd) >> 16);
+}
+
+// bf16 -> fp32 (exact: bf16 is the top half of an fp32).
+ECHO_HD float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
 
 // ----------------------------------------------------------------------------------------------
 // Group quantizer (quant.quantize_groups / quant.dequantize_groups).

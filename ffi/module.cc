@@ -196,4 +196,18 @@ NB_MODULE(_ffi, m) {
         return out;
       },
       nb::arg("bits"), "Software fp32 -> fp16 (round to nearest even) on uint32 bit patterns.");
+
+  m.def(
+      "f32_to_bf16_bits",
+      [](U32In1 bits) {
+        const size_t n = bits.shape(0);
+        auto out = NewArray<uint16_t>(1, n);
+        for (size_t i = 0; i < n; ++i) {
+          out.data()[i] = echo::f32_to_bf16(echo::f32_from_bits(bits.data()[i]));
+        }
+        return out;
+      },
+      nb::arg("bits"),
+      "Software fp32 -> bf16 (round to nearest even, the CPU handler's store of a bfloat16 sum) "
+      "on uint32 bit patterns.");
 }

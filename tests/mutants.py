@@ -105,7 +105,7 @@ def _straight_through_3t():
 def _straight_through_fused():
     from echo_jax import collective
     mutate(collective, "_fused_allreduce_f32_jvp",
-           ("(lax.psum(tangents[0], axis),", "(tangents[0],"))
+           ("lax.psum(t, axis).astype(y.dtype)", "t.astype(y.dtype)"))
 
 
 def _swapped_backward_choice():

@@ -5,6 +5,8 @@ Every result is compared bit for bit with the pure-JAX reference (`collective.xl
 (tests/conftest.py sets it).
 """
 
+import functools
+import re
 import time
 
 import jax
@@ -193,6 +195,52 @@ def test_cpp_f16_conversion_matches_numpy():
     assert np.all((got[~finite] & 0x7C00) == 0x7C00)
 
 
+def conversion_patterns():
+    """fp32 bit patterns for the 16-bit stores: random ones, every tie and near-tie around the
+    bf16 and fp16 rounding points of a few binades, the overflow edges of both formats, fp32 and
+    fp16 subnormals, infinities, and quiet and signalling NaNs of both signs with payloads."""
+    rng = np.random.default_rng(3)
+    parts = [rng.integers(0, 2 ** 32, 2 ** 18, dtype=np.uint64).astype(np.uint32)]
+    for top in (0x3F80, 0x4B00, 0x0080, 0x0001, 0x7F7F, 0x477F, 0x3380, 0x3880):
+        parts.append((np.uint32(top) << 16) + np.arange(0, 0x10000, 0x1F, dtype=np.uint32))
+        parts.append((np.uint32(top) << 16) + np.array([0x7FFF, 0x8000, 0x8001, 0x17FFF,
+                                                         0x18000, 0x18001], np.uint32))
+    parts.append(np.arange(0x7F7F0000, 0x7F800001, 0x101, dtype=np.uint32))  # bf16 overflow
+    parts.append(np.arange(0x477FE000, 0x47800010, dtype=np.uint32))         # fp16 overflow
+    parts.append(np.arange(0, 0x00020000, 0x7, dtype=np.uint32))             # fp32 subnormals
+    parts.append(np.arange(0x33000000 - 8, 0x38800000 + 8, 97, dtype=np.uint32))  # fp16 subn.
+    parts.append(np.array([0x7F800000, 0x7F800001, 0x7F800100, 0x7FA00000, 0x7FBFFFFF,
+                           0x7FC00000, 0x7FC00001, 0x7FC10000, 0x7FE00000, 0x7FFFFFFF,
+                           0x7F810000, 0x7F80FFFF, 0x7FFF8000, 0x7FFF0000], np.uint32))
+    u = np.concatenate(parts)
+    return np.concatenate([u, u | np.uint32(0x80000000)])
+
+
+@functools.lru_cache(maxsize=None)
+def _xla_convert(dtype):
+    """XLA:CPU's own convert of fp32 bit patterns to `dtype`, bits in and out (no host casts)."""
+    bits16 = lambda v: lax.bitcast_convert_type(  # noqa: E731
+        lax.bitcast_convert_type(v, jnp.float32).astype(dtype), jnp.uint16)
+    return jax.jit(bits16)
+
+
+def test_cpp_bf16_conversion_matches_xla_bit_for_bit():
+    """The CPU handler's bf16 store (ffi/echo_common.h f32_to_bf16) rounds exactly like XLA's
+    convert: every finite value, overflow to inf, subnormals, and the bits of every NaN (the
+    tests of the 16-bit all-reduce compare bits, NaNs included)."""
+    from echo_jax import _ffi
+    u = conversion_patterns()
+    got = _ffi.f32_to_bf16_bits(u)[0]
+    want = np.asarray(_xla_convert(jnp.bfloat16)(u))
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, [(hex(u[i]), hex(got[i]), hex(want[i])) for i in bad[:8]]
+    # The software fp16 store agrees with XLA's convert as well, NaN bits included.
+    got16 = _ffi.f32_to_f16_bits(u)[0]
+    want16 = np.asarray(_xla_convert(jnp.float16)(u))
+    bad = np.flatnonzero(got16 != want16)
+    assert bad.size == 0, [(hex(u[i]), hex(got16[i]), hex(want16[i])) for i in bad[:8]]
+
+
 # -------------------------------------------------------------------------------------------
 # The all-reduce against xla_allreduce.
 # -------------------------------------------------------------------------------------------
@@ -365,6 +413,202 @@ def test_compensated_state_updated_in_place_under_donation():
 
 
 # -------------------------------------------------------------------------------------------
+# 16-bit contributions: bfloat16 / float16 enter and leave the custom call in their own dtype.
+# -------------------------------------------------------------------------------------------
+
+HALF_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def bits16(a):
+    """uint16 view of a bfloat16 / float16 array: NaN bits count in a comparison."""
+    a = np.asarray(a)
+    assert a.dtype.itemsize == 2, a.dtype
+    return a.view(np.uint16)
+
+
+def assert_same_bits16(got, want, what=""):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype,
+                                                                 got.shape, want.shape)
+    g, w = bits16(got), bits16(want)
+    bad = np.argwhere(g != w)
+    if bad.size:
+        idx = tuple(bad[:5].T)
+        raise AssertionError(f"{what}: {len(bad)} elements differ, e.g. at {bad[:5].tolist()}: "
+                             f"{[hex(v) for v in g[idx]]} vs {[hex(v) for v in w[idx]]}")
+
+
+def half_inputs(seed, num_ranks, n, dtype):
+    """[P, n] contributions in `dtype` with, for n >= 1000, a NaN, +-inf in one group (its sum is
+    NaN), values that overflow the 16-bit dtype on the way back (fp16: each rank's 6e4 sums past
+    65504 to inf; bf16: 3e38 overflows the fp16 scale, so the group is NaN), tiny values whose sum
+    is a float16 subnormal, and bf16 / fp16 subnormal inputs."""
+    x = rng_inputs(seed, num_ranks, n, np.float32)
+    if n >= 1000:
+        x[0, 5] = np.nan
+        x[1 % num_ranks, 300] = np.inf
+        x[2 % num_ranks, 301] = -np.inf
+        if dtype == jnp.float16:
+            x[:, 520:530] = 6e4
+            x[:, 640:768] *= 3e-7                 # a whole group around fp16's subnormals
+            x[num_ranks - 1, 800:810] = 3e-6      # fp16 subnormal inputs
+        else:
+            x[num_ranks - 1, 520:530] = 3e38
+            x[:, 640:768] *= 1e-30
+            x[num_ranks - 1, 800:810] = 3e-39     # bf16 (and fp32) subnormal inputs
+    with np.errstate(over="ignore"):
+        return np.asarray(jnp.asarray(x).astype(dtype))
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
+def test_16bit_contributions_enter_the_call_and_match_xla_bit_for_bit(num_ranks):
+    """p2p_allreduce / p2p_allreduce_compensated take a bfloat16 or float16 x as it is and return
+    the sum in x's dtype with the bits of the reference x.astype(f32) -> protocol in fp32 ->
+    y32.astype(dtype) (the state updated with y32), NaN bits included, on every rank; odd sizes
+    (no multiple of g or P*g), special values, every (bits, policy) across the four P."""
+    mesh = mesh_of((num_ranks,), ("tp",))
+    shift = {2: 0, 3: 1, 4: 2, 8: 3}[num_ranks]
+    sizes = (1001, 127, 4099, 1)                 # every case runs each size once across P
+    cases = []                                   # (dtype, n, compensated, config)
+    for i, (dt, compensated) in enumerate((d, c) for d in HALF_DTYPES for c in (False, True)):
+        bits, policy = CONFIGS[(i + 2 * shift) % len(CONFIGS)]
+        n = sizes[(i + shift) % len(sizes)]
+        cases.append((dt, n, compensated, ej.EchoConfig(bits=bits, policy=policy)))
+    inputs = [half_inputs(10 * i + num_ranks, num_ranks, n, dt)
+              for i, (dt, n, _, _) in enumerate(cases)]
+    rng = np.random.default_rng(num_ranks)
+    states = [(rng.standard_normal((num_ranks, n)) * 0.05).astype(np.float32)
+              for _, n, _, _ in cases for _ in range(2)]
+
+    def body(*args):
+        xs, ms = args[:len(cases)], args[len(cases):]
+        outs = []
+        for i, ((dt, n, compensated, cfg), x) in enumerate(zip(cases, xs)):
+            x = x[0]
+            assert x.dtype == dt
+            if not compensated:
+                got = p2p.p2p_allreduce(x, "tp", num_ranks, cfg)
+                want = collective.xla_allreduce(x.astype(jnp.float32), "tp", num_ranks,
+                                                cfg).astype(dt)
+                pairs = [(got, want)]
+            else:
+                m1, m2 = ms[2 * i][0], ms[2 * i + 1][0]
+                got, n1, n2 = p2p.p2p_allreduce_compensated(x, m1, m2, "tp", num_ranks, cfg)
+                k = comp.Coefficients.from_config(cfg)
+                state = comp.CompensatorState(m1, m2)
+                xp = comp.apply_correction(x.astype(jnp.float32), state, k)
+                y32 = collective.xla_allreduce(xp, "tp", num_ranks, cfg)
+                new = comp.update_state(xp, y32, num_ranks, state, k)
+                pairs = [(got, y32.astype(dt)), (n1, new.m1), (n2, new.m2)]
+            assert got.dtype == dt, (got.dtype, dt)
+            for a, b in pairs:
+                assert jax.typeof(a).mat == jax.typeof(b).mat
+                outs += [as_varying(a, ("tp",))[None], as_varying(b, ("tp",))[None]]
+        return tuple(outs)
+
+    n_out = sum(6 if c else 2 for _, _, c, _ in cases)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * (len(cases) + len(states)),
+                              out_specs=(P("tp"),) * n_out))
+    res = iter(f(*[put(a, mesh, P("tp")) for a in inputs + states]))
+    for dt, n, compensated, cfg in cases:
+        what = (f"P={num_ranks} {jnp.dtype(dt).name} n={n} bits={cfg.bits} {cfg.policy}"
+                f"{' compensated' if compensated else ''}")
+        got, want = np.asarray(next(res)), np.asarray(next(res))
+        assert got.dtype == jnp.dtype(dt) and got.shape == (num_ranks, n), (what, got.dtype)
+        assert_same_bits16(got, want, what)
+        for r in range(1, num_ranks):
+            assert_same_bits16(got[r], got[0], f"{what}: rank {r} vs rank 0")
+        if n >= 1000:  # the special values reached the output
+            y = got[0].astype(np.float32)
+            assert np.isnan(y[0:128]).all() and np.isnan(y[256:384]).all(), what
+            if dt == jnp.float16:
+                assert np.isinf(y[520:530]).all(), what          # overflowed on the way back
+                if not compensated:                              # (the state shifts x')
+                    assert (np.abs(y[640:768]) < 2.0 ** -14).any(), what  # fp16 subnormals
+            else:
+                assert np.isnan(y[512:640]).all(), what
+        if compensated:
+            for name in ("m1", "m2"):
+                assert_same_bits(next(res), next(res), f"{what} {name}")
+
+
+def _echo_psum_16bit(mesh, num_ranks, transport, compensated, x, m1, m2, cfg_kw):
+    """echo_psum over 'tp' (and its gradient); returns the jitted function and its args."""
+    cfg = ej.EchoConfig(transport=transport, **cfg_kw)
+
+    def body(v, a, b):
+        if compensated:
+            y, s = ej.echo_psum(v[0], "tp", config=cfg, state=ej.CompensatorState(a[0], b[0]))
+            return (as_varying(y, ("tp",))[None], as_varying(s.m1, ("tp",))[None],
+                    as_varying(s.m2, ("tp",))[None])
+        y = ej.echo_psum(v[0], "tp", config=cfg)
+        return as_varying(y, ("tp",))[None], a, b
+
+    def loss(v, a, b):
+        y = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3,
+                          out_specs=(P("tp"),) * 3)(v, a, b)[0]
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)) * jnp.arange(y.shape[-1]))
+
+    fwd = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3,
+                                out_specs=(P("tp"),) * 3))
+    return fwd, jax.jit(jax.grad(loss))
+
+
+@pytest.mark.parametrize("compensated", [False, True], ids=["plain", "compensated"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=["bfloat16", "float16"])
+def test_echo_psum_16bit_custom_call_takes_and_returns_x_dtype(dtype, compensated):
+    """Through echo_psum: the compiled HLO's custom call takes x and returns the sum in x's
+    16-bit dtype, with no convert of x to f32 in front of it and none of the sum after it (the
+    TransformerEngine style: assert on the compiled HLO); transport "p2p" equals "xla" bit for
+    bit (uint16 view, NaN bits included), in the state and in the straight-through gradient."""
+    num_ranks, n = 3, 2 * 333
+    mesh = mesh_of((num_ranks,), ("tp",))
+    x = half_inputs(90, num_ranks, 1001, dtype)[:, 331:331 + n].reshape(num_ranks, 2, 333)
+    rng = np.random.default_rng(9)
+    m1, m2 = ((rng.standard_normal(x.shape) * 0.05).astype(np.float32) for _ in range(2))
+    args = [put(a, mesh, P("tp")) for a in (x, m1, m2)]
+    kw = dict(bits=4, policy="asym")
+    f_p2p, g_p2p = _echo_psum_16bit(mesh, num_ranks, "p2p", compensated, x, m1, m2, kw)
+    f_xla, g_xla = _echo_psum_16bit(mesh, num_ranks, "xla", compensated, x, m1, m2, kw)
+
+    hlo = f_p2p.lower(*args).compile().as_text()
+    target = p2p.TARGET_COMPENSATED if compensated else p2p.TARGET
+    calls = [ln for ln in hlo.splitlines() if f'custom_call_target="{target}"' in ln]
+    assert len(calls) == 1, calls
+    t = {jnp.bfloat16: "bf16", jnp.float16: "f16"}[dtype]
+    call = calls[0]
+    # The result (the sum; for the compensated call the first of the tuple) is x's dtype.
+    assert re.search(rf"= \(?{t}\[{n}\]\S* ", call), call
+    if compensated:
+        assert f"({t}[{n}]{{0}}, f32[{n}]{{0}}, f32[{n}]{{0}}) custom-call(" in call, call
+    # The operand x (the first) is x's dtype: the compiled text names the operands and lists
+    # their shapes in operand_layout_constraints.
+    assert re.search(rf"operand_layout_constraints={{{t}\[{n}\]", call), call
+    # No convert between x's dtype and f32 anywhere in the module (fusions included): nothing
+    # widens x in front of the call or rounds the sum after it.
+    types = dict(re.findall(r"^\s*(?:ROOT )?(%\S+) = \(?([a-z0-9]+)\[", hlo, re.M))
+    converts = [(dst, types.get(src), ln.strip()[:120]) for ln in hlo.splitlines()
+                for dst, src in re.findall(r"= ([a-z0-9]+)\[[0-9,]*\]\S* convert\((%[^,)]+)\)",
+                                           ln)]
+    assert converts or "convert" not in hlo, "no convert parsed: the HLO format changed"
+    assert not [c for c in converts if {c[0], c[1]} == {t, "f32"}], converts
+    first = re.search(r"custom-call\((%[^,)]+)", call).group(1)
+    assert types[first] == t, (first, types[first])
+    assert "all-to-all" not in hlo and "all-gather" not in hlo
+
+    got, want = f_p2p(*args), f_xla(*args)
+    assert np.asarray(got[0]).dtype == jnp.dtype(dtype)
+    assert_same_bits16(got[0], want[0], "y")
+    assert not np.isfinite(np.asarray(got[0], np.float32)).all()  # special values in the slice
+    if compensated:
+        assert_same_bits(got[1], want[1], "m1")
+        assert_same_bits(got[2], want[2], "m2")
+    gx_p2p, gx_xla = g_p2p(*args), g_xla(*args)
+    assert np.asarray(gx_p2p).dtype == jnp.dtype(dtype)
+    assert_same_bits16(gx_p2p, gx_xla, "gradient")
+
+
+# -------------------------------------------------------------------------------------------
 # Meshes with several axes, typing, repeated calls.
 # -------------------------------------------------------------------------------------------
 
@@ -531,8 +775,12 @@ def test_validation_messages():
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
                                      check_vma=False))(put(x, mesh, P("tp")))
 
-    with pytest.raises(ValueError, match="flat float32"):
-        trace(lambda x: p2p.p2p_allreduce(x[0].astype(jnp.bfloat16), "tp", 2, cfg)[None])
+    with pytest.raises(ValueError, match="flat float32, bfloat16 or float16 array, got int32"):
+        trace(lambda x: p2p.p2p_allreduce(x[0].astype(jnp.int32), "tp", 2, cfg)[None])
+    with pytest.raises(ValueError, match=r"flat float32, bfloat16 or float16 array, got "
+                                         r"bfloat16\[2, 4\]"):
+        trace(lambda x: p2p.p2p_allreduce(x[0].astype(jnp.bfloat16).reshape(2, 4), "tp", 2,
+                                          cfg)[None])
     with pytest.raises(ValueError, match="num_ranks=3 but axis 'tp' has size 2"):
         trace(lambda x: p2p.p2p_allreduce(x[0], "tp", 3, cfg)[None])
     with pytest.raises(ValueError, match="m1_flat must be float32"):
