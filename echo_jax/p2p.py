@@ -353,7 +353,8 @@ def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
         return xla_allreduce(x_flat32, axis, num_ranks, config)
     if _on_gpu():
         from echo_jax import p2p_cuda
-        return p2p_cuda.rank_allreduce(x_flat32, axis, num_ranks, config)
+        y = p2p_cuda.rank_allreduce(x_flat32, axis, num_ranks, config)
+        return _compat.to_varying(y, _compat.varying_axes(x_flat32) - {axis})
     attrs = _check_call(where, x_flat32, axis, num_ranks, config)
     _register(_current_platform(jax.sharding.get_abstract_mesh()))
     n = jnp.shape(x_flat32)[0]
@@ -392,11 +393,15 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
         y = xla_allreduce(x_prime, axis, num_ranks, config)
         new = comp.update_state(x_prime, y, num_ranks, state, k)
         return y.astype(x_flat32.dtype), new.m1, new.m2
+    # ffi_call results are typed invariant; type them as the xla transport's are.
+    varying = (_compat.varying_axes(x_flat32) | _compat.varying_axes(m1_flat)
+               | _compat.varying_axes(m2_flat))
     if _on_gpu():
         from echo_jax import p2p_cuda
         y, new = p2p_cuda.rank_allreduce(x_flat32, axis, num_ranks, config,
                                          comp.CompensatorState(m1_flat, m2_flat))
-        return y, new.m1, new.m2
+        return (_compat.to_varying(y, varying - {axis}), _compat.to_varying(new.m1, varying),
+                _compat.to_varying(new.m2, varying))
     attrs = _check_call(where, x_flat32, axis, num_ranks, config,
                         states=(("m1_flat", m1_flat), ("m2_flat", m2_flat)))
     _register(_current_platform(jax.sharding.get_abstract_mesh()))
@@ -409,9 +414,6 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     y, m1, m2 = call(x_flat32, m1_flat, m2_flat, _coords(axis), **attrs,
                      ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2),
                      c2=f32(k.c2), inv_ranks=f32(1.0 / int(num_ranks)))
-    # ffi_call results are typed invariant; type them as the xla transport's are.
-    varying = (_compat.varying_axes(x_flat32) | _compat.varying_axes(m1_flat)
-               | _compat.varying_axes(m2_flat))
     return (_compat.to_varying(y, varying - {axis}), _compat.to_varying(m1, varying),
             _compat.to_varying(m2, varying))
 
