@@ -54,6 +54,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def reference_allreduce(x, cfg, state=None):
+    """The "xla" transport over P simulated ranks (vmap over the leading axis of x): the
+    reference of the CUDA custom call's virtual ranks, bit for bit."""
+    import echo_jax as ej
+    cfg = cfg.replace(transport="xla")
+    if state is None:
+        return jax.jit(jax.vmap(lambda v: ej.echo_psum(v, "tp", config=cfg), axis_name="tp"))(x)
+    return jax.jit(jax.vmap(lambda v, s: ej.echo_psum(v, "tp", config=cfg, state=s),
+                            axis_name="tp"))(x, state)
+
+
 def make_mesh(shape, names):
     """A mesh over the first prod(shape) devices (Auto axes: inputs may arrive unsharded)."""
     n = int(np.prod(shape))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import echo_jax as ej
+from conftest import cuda_handlers, reference_allreduce as reference
 
 pytestmark = pytest.mark.gpu
 POLICIES = ("asym", "sym", "asym_naive")
@@ -20,19 +21,8 @@ POLICIES = ("asym", "sym", "asym_naive")
 
 @pytest.fixture(scope="module")
 def cuda():
-    from echo_jax import p2p_cuda
-    if not p2p_cuda.available():
-        pytest.fail("a GPU is present but the CUDA handlers (echo_jax._ffi_cuda) are not built: "
-                    "reinstall with nvcc on the PATH (`pip install -e .`)")
-    return p2p_cuda
-
-
-def reference(x, cfg, state=None):
-    cfg = cfg.replace(transport="xla")
-    if state is None:
-        return jax.jit(jax.vmap(lambda v: ej.echo_psum(v, "tp", config=cfg), axis_name="tp"))(x)
-    return jax.jit(jax.vmap(lambda v, s: ej.echo_psum(v, "tp", config=cfg, state=s),
-                            axis_name="tp"))(x, state)
+    # Skips without a GPU; fails (does not skip) on a GPU machine without the CUDA handlers.
+    return cuda_handlers()
 
 
 def same_bits(a, b, what):

@@ -22,7 +22,7 @@ import echo_jax as ej
 from echo_jax import _compat
 from echo_jax import p2p
 from echo_jax import quant
-from conftest import cuda_handlers
+from conftest import cuda_handlers, reference_allreduce
 
 pytestmark = pytest.mark.gpu
 POLICIES = ("asym", "sym", "asym_naive")
@@ -32,14 +32,6 @@ POLICIES = ("asym", "sym", "asym_naive")
 def cuda():
     # Skips without a GPU; fails (does not skip) on a GPU machine without the CUDA handlers.
     return cuda_handlers()
-
-
-def reference_allreduce(x, cfg, state=None):
-    cfg = cfg.replace(transport="xla")
-    if state is None:
-        return jax.jit(jax.vmap(lambda v: ej.echo_psum(v, "tp", config=cfg), axis_name="tp"))(x)
-    return jax.jit(jax.vmap(lambda v, s: ej.echo_psum(v, "tp", config=cfg, state=s),
-                            axis_name="tp"))(x, state)
 
 
 def reference_many(configs, xs, states=None):
