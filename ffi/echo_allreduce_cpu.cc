@@ -124,6 +124,10 @@ constexpr size_t kMaxCachedBindings = 1 << 14;  // (device, call site) bindings
 
 using Clock = std::chrono::steady_clock;
 
+// Stages of the test hook debug_failing_rank (echo_jax/p2p.py `debug_failing_rank`).
+constexpr int64_t kFailValidate = 0;  // the rank's validation fails, before it joins its group
+constexpr int64_t kFailPush = 1;      // the rank fails in push, after it joined and wrote a slot
+
 // -------------------------------------------------------------------------------------------
 // Call description (attributes, validated).
 // -------------------------------------------------------------------------------------------
@@ -144,6 +148,9 @@ struct CallConfig {
   int64_t site;
   int64_t timeout_ms;
   int64_t absent_rank;  // test hook: this rank joins but never takes part (-1: none)
+  int64_t failing_rank;   // test hook: this rank fails with `failure` (-1: none) ...
+  int64_t failing_stage;  // ... in validation (kFailValidate) or after joining (kFailPush)
+  std::string failure;    // the cause it reports
   bool compensated;
   echo::CompCoeffs k;
   uint64_t signature;   // hash of the shape and format, compared between the ranks of a call
@@ -234,6 +241,15 @@ ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, ff
   ECHO_FFI_ASSIGN_OR_RETURN(
       c.absent_rank, GetAttrInRange<int64_t>(attrs, "debug_absent_rank", -1, num_ranks - 1,
                                              kWhere, "test hook, -1 normally"));
+  ECHO_FFI_ASSIGN_OR_RETURN(
+      c.failing_rank, GetAttrInRange<int64_t>(attrs, "debug_failing_rank", -1, num_ranks - 1,
+                                              kWhere, "test hook, -1 normally"));
+  ECHO_FFI_ASSIGN_OR_RETURN(
+      c.failing_stage, GetAttrInRange<int64_t>(attrs, "debug_failing_stage", kFailValidate,
+                                               kFailPush, kWhere, "test hook, 0 normally"));
+  ECHO_FFI_ASSIGN_OR_RETURN(std::string_view failure,
+                            GetAttr<std::string_view>(attrs, "debug_failure", kWhere));
+  c.failure = std::string(failure);
   if (compensated) {
     ECHO_FFI_ASSIGN_OR_RETURN(c.k.ea, GetAttr<float>(attrs, "ea", kWhere));
     ECHO_FFI_ASSIGN_OR_RETURN(c.k.eb, GetAttr<float>(attrs, "eb", kWhere));
@@ -736,6 +752,10 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
     std::vector<uint8_t>& slot = ws.push_slot(j, me);
     GrowSlot(slot, cfg.slot_bytes);
     QuantizeSegment(cfg, io, j, slot.data(), buf);
+    if (cfg.failing_rank == me && cfg.failing_stage == kFailPush) {  // test hook
+      return Internal(kWhere, cfg.failure, " (test hook debug_failing_rank: rank ", me,
+                      " fails in stage 'push')");
+    }
   }
   ws.flag(me).store(base, std::memory_order_release);
 
@@ -938,6 +958,15 @@ ffi::ErrorOr<Coords> ReadCoords(S32Buffer_Type coords, int32_t device_ordinal, f
   return Coords{rank, group, device_ordinal, run_id.run_id};
 }
 
+// Test hook: the validation of rank cfg.failing_rank fails (before the rank joins its group).
+Error_Type DebugFailValidation(const CallConfig& cfg, const Coords& c) {
+  if (cfg.failing_rank == c.rank && cfg.failing_stage == kFailValidate) {
+    return InvalidArgument(kWhere, cfg.failure, " (test hook debug_failing_rank: rank ", c.rank,
+                           " fails its validation)");
+  }
+  return Error_Type::Success();
+}
+
 ffi::ErrorOr<Job> PrepareAllReduce(int32_t device_ordinal, ffi::RunId run_id, Buffer_Type x,
                                    S32Buffer_Type coords, Result_Type y,
                                    const Dictionary_Type& attrs) {
@@ -946,6 +975,7 @@ ffi::ErrorOr<Job> PrepareAllReduce(int32_t device_ordinal, ffi::RunId run_id, Bu
   ECHO_FFI_ASSIGN_OR_RETURN(CallConfig cfg,
                             ParseConfig(attrs, n, x.element_type(), /*compensated=*/false));
   ECHO_FFI_ASSIGN_OR_RETURN(Coords c, ReadCoords(coords, device_ordinal, run_id, cfg.num_ranks));
+  ECHO_FFI_RETURN_IF_ERROR(DebugFailValidation(cfg, c));
   return Job{cfg, c,
              RankIO{x.untyped_data(), nullptr, nullptr, y->untyped_data(), nullptr, nullptr}};
 }
@@ -968,6 +998,7 @@ ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId
   ECHO_FFI_ASSIGN_OR_RETURN(CallConfig cfg,
                             ParseConfig(attrs, n, x.element_type(), /*compensated=*/true));
   ECHO_FFI_ASSIGN_OR_RETURN(Coords c, ReadCoords(coords, device_ordinal, run_id, cfg.num_ranks));
+  ECHO_FFI_RETURN_IF_ERROR(DebugFailValidation(cfg, c));
   return Job{cfg, c,
              RankIO{x.untyped_data(), m1.typed_data(), m2.typed_data(), y->untyped_data(),
                     m1_out->typed_data(), m2_out->typed_data()}};
@@ -1014,7 +1045,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<echo_jax::S32Buffer_Type>()         // coords: int32 [2] = (rank, group id)
         .Ret<echo_jax::Buffer_Type>()            // y: [n] x's dtype, the sum, same on every rank
         .Attrs());  // num_ranks, bits, group_size, policy, segment_groups, site, timeout_ms,
-                    // debug_absent_rank (see echo_jax/p2p.py)
+                    // debug_absent_rank, debug_failing_rank, debug_failing_stage,
+                    // debug_failure (see echo_jax/p2p.py)
 
 // echo_jax_allreduce_compensated (platform "cpu"): Algorithm 1 fused into the all-reduce.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
