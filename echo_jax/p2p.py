@@ -39,8 +39,8 @@ timeout_ms         how long a rank waits for a peer before failing: ECHO_JAX_TIM
                    (seconds, default 10), read when the call is traced
 debug_absent_rank  test hook (`debug_absent_rank()`), -1 normally
 debug_failing_     test hook (`debug_failing_rank()`): rank (-1 normally), stage (0 = validation,
-rank, _stage,      1 = push) and cause ("" normally) of a rank that fails on purpose
-debug_failure
+rank, _stage,      1 = push, 2 = after the tail) and cause ("" normally) of a rank that fails
+debug_failure      on purpose
 ea, eb, b1, c1,    fp32 coefficients of `compensator.Coefficients` and f32(1/P)
 b2, c2, inv_ranks  (compensated call only)
 =================  =========================================================================
@@ -104,7 +104,7 @@ _sites = itertools.count(1)
 _debug_absent_rank = -1
 _debug_failing = (-1, 0, "")  # (rank, stage code, cause): see debug_failing_rank
 #: Stages where `debug_failing_rank` makes its rank fail (codes of the attribute).
-DEBUG_FAILING_STAGES = {"validate": 0, "push": 1}
+DEBUG_FAILING_STAGES = {"validate": 0, "push": 1, "tail": 2}
 
 
 def available_platforms() -> tuple[str, ...]:
@@ -281,9 +281,11 @@ def debug_failing_rank(rank: int, cause: str, stage: str = "validate"):
     as a rank whose handler hits an error it knows about would.
 
     stage "validate": the rank's validation fails, before it joins its group; "push": it fails
-    in the push stage, after it joined its group and wrote part of its contribution. The rank
-    raises an error with `cause`; the CPU handler then tells its peers, which fail at once with
-    "rank <rank> of the group failed: <cause>" instead of waiting for ECHO_JAX_TIMEOUT_S.
+    in the push stage, after it joined its group and wrote part of its contribution; "tail": it
+    fails after its tail, when its peers have all they need from it for this call (they fail at
+    their next call of the same call site in the execution). The rank raises an error with
+    `cause`; the CPU handler tells its peers, which fail at once with "rank <rank> of the group
+    failed (...): <cause>" instead of waiting for ECHO_JAX_TIMEOUT_S.
     """
     global _debug_failing
     if stage not in DEBUG_FAILING_STAGES:

@@ -183,25 +183,30 @@ def _rank_outcomes(y, mesh):
     return outcomes
 
 
-def _p2p_program(mesh, nranks, compensated):
+def _p2p_program(mesh, nranks, compensated, calls=3):
+    """`calls` all-reduces of one call site in a loop (one execution runs them all)."""
     cfg = ej.EchoConfig(bits=4, transport="p2p")
 
     def body(v):
-        if compensated:
-            y, _, _ = p2p.p2p_allreduce_compensated(v, v * 0, v * 0, "tp", nranks, cfg)
-        else:
-            y = p2p.p2p_allreduce(v, "tp", nranks, cfg)
-        return jax.lax.pcast(y, ("tp",), to="varying")
+        def step(c, _):
+            if compensated:
+                y, _, _ = p2p.p2p_allreduce_compensated(v + c, v * 0, v * 0, "tp", nranks, cfg)
+            else:
+                y = p2p.p2p_allreduce(v + c, "tp", nranks, cfg)
+            return c + jnp.float32(1), y
+        _, ys = jax.lax.scan(step, jnp.float32(0), None, length=calls)
+        return jax.lax.pcast(ys[-1], ("tp",), to="varying")
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
 
 
 @pytest.mark.parametrize("stage, compensated", [
-    ("validate", False), ("push", False), ("push", True)])
+    ("validate", False), ("push", False), ("tail", False), ("validate", True), ("push", True)])
 def test_failing_rank_poisons_its_group(monkeypatch, stage, compensated):
-    # Rank 2 fails for a reason it knows (before joining its group, or inside the protocol): it
-    # tells its peers through the group's join or workspace, and they fail at once naming rank 2
-    # and the cause, not after ECHO_JAX_TIMEOUT_S (30 s here) as a peer that never arrives.
+    # Rank 2 fails for a reason it knows (in its validation, before joining its group; in push;
+    # after its tail, so that the peers fail at the loop's next call): it tells its peers through
+    # the group's join or workspace, and they fail at once naming rank 2 and the cause, not after
+    # ECHO_JAX_TIMEOUT_S (30 s here) as for a peer that never arrives.
     nranks, cause = 4, f"deliberate failure in {stage}"
     mesh = make_mesh((nranks,), ("tp",))
     x = jax.device_put(jax.random.normal(jax.random.key(3), (nranks * 1000,)),
