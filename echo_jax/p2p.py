@@ -38,6 +38,9 @@ site               id of the traced call site (keeps independent all-reduces of 
 timeout_ms         how long a rank waits for a peer before failing: ECHO_JAX_TIMEOUT_S
                    (seconds, default 10), read when the call is traced
 debug_absent_rank  test hook (`debug_absent_rank()`), -1 normally
+debug_failing_     test hook (`debug_failing_rank()`): rank (-1 normally), stage (0 = validation,
+rank, _stage,      1 = push, 2 = after the tail) and cause ("" normally) of a rank that fails
+debug_failure      on purpose
 ea, eb, b1, c1,    fp32 coefficients of `compensator.Coefficients` and f32(1/P)
 b2, c2, inv_ranks  (compensated call only)
 =================  =========================================================================
@@ -99,6 +102,9 @@ _lock = threading.Lock()
 _registered: set[str] = set()
 _sites = itertools.count(1)
 _debug_absent_rank = -1
+_debug_failing = (-1, 0, "")  # (rank, stage code, cause): see debug_failing_rank
+#: Stages where `debug_failing_rank` makes its rank fail (codes of the attribute).
+DEBUG_FAILING_STAGES = {"validate": 0, "push": 1, "tail": 2}
 
 
 def available_platforms() -> tuple[str, ...]:
@@ -269,6 +275,29 @@ def debug_absent_rank(rank: int):
         _debug_absent_rank = previous
 
 
+@contextlib.contextmanager
+def debug_failing_rank(rank: int, cause: str, stage: str = "validate"):
+    """Test hook: in calls *traced* inside this context, `rank` fails on purpose with `cause`,
+    as a rank whose handler hits an error it knows about would.
+
+    stage "validate": the rank's validation fails, before it joins its group; "push": it fails
+    in the push stage, after it joined its group and wrote part of its contribution; "tail": it
+    fails after its tail, when its peers have all they need from it for this call (they fail at
+    their next call of the same call site in the execution). The rank raises an error with
+    `cause`; the CPU handler tells its peers, which fail at once with "rank <rank> of the group
+    failed (...): <cause>" instead of waiting for ECHO_JAX_TIMEOUT_S.
+    """
+    global _debug_failing
+    if stage not in DEBUG_FAILING_STAGES:
+        raise ValueError(f"debug_failing_rank: stage must be one of "
+                         f"{sorted(DEBUG_FAILING_STAGES)}, got {stage!r}")
+    previous, _debug_failing = _debug_failing, (int(rank), DEBUG_FAILING_STAGES[stage], str(cause))
+    try:
+        yield
+    finally:
+        _debug_failing = previous
+
+
 def _coords(axis):
     """int32 [2]: this rank's index on `axis` and the id of its group (the other manual axes)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -316,7 +345,9 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
                 policy=POLICY_CODES[config.policy], segment_groups=int(seg_groups),
                 site=next(_sites), timeout_ms=_timeout_ms(),
                 debug_absent_rank=int(_debug_absent_rank) if _debug_absent_rank < num_ranks
-                else -1)
+                else -1,
+                debug_failing_rank=_debug_failing[0] if _debug_failing[0] < num_ranks else -1,
+                debug_failing_stage=_debug_failing[1], debug_failure=_debug_failing[2])
 
 
 def _resolve(where, axis, config, x_flat32, num_ranks):
@@ -463,5 +494,5 @@ def registry_stats() -> dict:
 
 
 __all__ = ["choose", "unavailable_reason", "limit_reason", "available_platforms", "p2p_allreduce",
-           "p2p_allreduce_compensated", "debug_absent_rank", "build_info", "runtime_ffi_api",
+           "p2p_allreduce_compensated", "debug_absent_rank", "debug_failing_rank", "build_info", "runtime_ffi_api",
            "build_mismatch", "registry_stats", "TIMEOUT_ENV", "POLICY_CODES"]

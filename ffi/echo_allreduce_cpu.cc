@@ -73,6 +73,22 @@
 // broken (peers still waiting abort at once) and dropped from the registry, so the next execution
 // starts from a fresh one with consistent epochs.
 //
+// Poison: a rank that fails for a reason of its own does not leave its peers to time out. After
+// it joined (an error inside its protocol, an exception such as std::bad_alloc, or a join error
+// it detects itself) it poisons the workspace: the poison word (Workspace::broken_, stored with
+// release after the reason and the failing rank are written under a mutex) is polled (acquire)
+// by every wait, so peers abort within microseconds with "rank r of the group failed (...):
+// <cause>", and the bindings of the execution keep the poisoned workspace, so the next calls of
+// the same call site in that execution fail at once with it too. Before it joined (its operands
+// or attributes fail validation, no thread could be started for it) it poisons the group's join
+// entry instead, found by (execution, call site, group id, P): ranks waiting there are woken and
+// ranks arriving later fail on arrival; the entry goes once every rank has failed or seen it.
+// Not reported (the peers time out as for a rank that never arrives): a validation failure that
+// leaves the group unknown (attribute num_ranks or site missing or out of range, a coords operand
+// that is not a valid (rank, group id)), an operand of the wrong type or rank (XLA rejects the
+// call before this handler runs), a crash of the process, and a device whose execution fails
+// before it reaches the custom call.
+//
 // Tiling: the GPU pipeline splits segments into tiles so that quantization overlaps transfers;
 // host threads gain nothing from that, so the CPU handler signals once per stage and rank.
 
@@ -88,6 +104,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -124,6 +141,11 @@ constexpr size_t kMaxCachedBindings = 1 << 14;  // (device, call site) bindings
 
 using Clock = std::chrono::steady_clock;
 
+// Stages of the test hook debug_failing_rank (echo_jax/p2p.py `debug_failing_rank`).
+constexpr int64_t kFailValidate = 0;  // the rank's validation fails, before it joins its group
+constexpr int64_t kFailPush = 1;      // the rank fails in push, after it joined and wrote a slot
+constexpr int64_t kFailTail = 2;      // the rank fails after its tail: its peers have its data
+
 // -------------------------------------------------------------------------------------------
 // Call description (attributes, validated).
 // -------------------------------------------------------------------------------------------
@@ -144,6 +166,9 @@ struct CallConfig {
   int64_t site;
   int64_t timeout_ms;
   int64_t absent_rank;  // test hook: this rank joins but never takes part (-1: none)
+  int64_t failing_rank;   // test hook: this rank fails with `failure` (-1: none) ...
+  int64_t failing_stage;  // ... in validation, in push or after its tail (kFail*)
+  std::string failure;    // the cause it reports
   bool compensated;
   echo::CompCoeffs k;
   uint64_t signature;   // hash of the shape and format, compared between the ranks of a call
@@ -234,6 +259,15 @@ ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, ff
   ECHO_FFI_ASSIGN_OR_RETURN(
       c.absent_rank, GetAttrInRange<int64_t>(attrs, "debug_absent_rank", -1, num_ranks - 1,
                                              kWhere, "test hook, -1 normally"));
+  ECHO_FFI_ASSIGN_OR_RETURN(
+      c.failing_rank, GetAttrInRange<int64_t>(attrs, "debug_failing_rank", -1, num_ranks - 1,
+                                              kWhere, "test hook, -1 normally"));
+  ECHO_FFI_ASSIGN_OR_RETURN(
+      c.failing_stage, GetAttrInRange<int64_t>(attrs, "debug_failing_stage", kFailValidate,
+                                               kFailTail, kWhere, "test hook, 0 normally"));
+  ECHO_FFI_ASSIGN_OR_RETURN(std::string_view failure,
+                            GetAttr<std::string_view>(attrs, "debug_failure", kWhere));
+  c.failure = std::string(failure);
   if (compensated) {
     ECHO_FFI_ASSIGN_OR_RETURN(c.k.ea, GetAttr<float>(attrs, "ea", kWhere));
     ECHO_FFI_ASSIGN_OR_RETURN(c.k.eb, GetAttr<float>(attrs, "eb", kWhere));
@@ -314,17 +348,22 @@ class Workspace {
     return gather_slots_[static_cast<size_t>(dst) * num_ranks_ + owner];
   }
 
+  // The poison word: false until the group fails, then true for the life of the workspace.
+  // Written once, under error_mu_, after the reason (release); a waiting rank polls it (acquire)
+  // and then reads the reason under error_mu_. The first failure wins.
   bool broken() const { return broken_.load(std::memory_order_acquire); }
-  void MarkBroken(const std::string& why) {
-    std::lock_guard<std::mutex> lock(error_mu_);
-    if (!broken_.load(std::memory_order_relaxed)) {
-      error_ = why;
-      broken_.store(true, std::memory_order_release);
-    }
-  }
+  // A protocol failure seen by a rank waiting for its peers (timeout, disagreeing peers).
+  void MarkBroken(const std::string& why) { Break(-1, why); }
+  // Rank `rank` failed for a reason of its own; `why` names it and its original cause.
+  void Poison(int rank, const std::string& why) { Break(rank, why); }
   std::string BrokenReason() {
     std::lock_guard<std::mutex> lock(error_mu_);
     return error_;
+  }
+  // The rank that poisoned the workspace, -1 for a protocol failure (or none).
+  int FailedRank() {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    return failed_rank_;
   }
 
  private:
@@ -335,10 +374,41 @@ class Workspace {
   std::unique_ptr<RankState[]> ranks_;
   std::vector<std::vector<uint8_t>> push_slots_;
   std::vector<std::vector<uint8_t>> gather_slots_;
+  void Break(int rank, const std::string& why) {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (!broken_.load(std::memory_order_relaxed)) {
+      error_ = why;
+      failed_rank_ = rank;
+      broken_.store(true, std::memory_order_release);
+    }
+  }
+
   std::atomic<bool> broken_{false};
   std::mutex error_mu_;
-  std::string error_;
+  std::string error_;     // guarded by error_mu_
+  int failed_rank_ = -1;  // guarded by error_mu_
 };
+
+// What a rank records when it fails for a reason it knows: its error, without the handler
+// prefix, after its place in the group. Peers fail with this text.
+std::string PoisonText(int rank, int32_t group, int num_ranks, int64_t site, int32_t ordinal,
+                       const std::string& error) {
+  std::string cause = error;
+  const std::string prefix = StrCat("echo_jax ", kWhere, ": ");
+  if (cause.compare(0, prefix.size(), prefix) == 0) cause.erase(0, prefix.size());
+  return StrCat("rank ", rank, " of the group failed (group ", group, ", P=", num_ranks,
+                ", call site ", site, ", device ", ordinal, "): ", cause);
+}
+
+// The error of rank `me` that gives up in `stage` because its workspace is broken.
+Error_Type PeerFailed(Workspace& ws, int me, int32_t group, const char* stage) {
+  if (ws.FailedRank() >= 0) {
+    return Aborted(kWhere, "rank ", me, " of group ", group, " gave up in stage '", stage,
+                   "': ", ws.BrokenReason());
+  }
+  return Aborted(kWhere, "rank ", me, " of group ", group, " gave up in stage '", stage,
+                 "' because a peer failed: ", ws.BrokenReason());
+}
 
 std::string OrdinalList(const std::vector<int32_t>& ordinals) {
   std::string s = "[";
@@ -365,11 +435,16 @@ class Registry {
       b.last_use = ++tick_;
       if (b.rank != c.rank || b.group != c.group ||
           b.ws->num_ranks() != cfg.num_ranks) {
-        return InvalidArgument(kWhere, "device ", c.ordinal, " reached call site ", cfg.site,
-                               " twice in one execution as (rank ", b.rank, ", group ", b.group,
-                               ", P=", b.ws->num_ranks(), ") and as (rank ", c.rank, ", group ",
-                               c.group, ", P=", cfg.num_ranks,
-                               "): every mesh axis of size > 1 must be manual in the shard_map");
+        Error_Type err = InvalidArgument(
+            kWhere, "device ", c.ordinal, " reached call site ", cfg.site,
+            " twice in one execution as (rank ", b.rank, ", group ", b.group, ", P=",
+            b.ws->num_ranks(), ") and as (rank ", c.rank, ", group ", c.group, ", P=",
+            cfg.num_ranks, "): every mesh axis of size > 1 must be manual in the shard_map");
+        // The group it joined first waits for this device: tell it.
+        b.ws->Poison(b.rank, PoisonText(b.rank, b.group, b.ws->num_ranks(), cfg.site, c.ordinal,
+                                        err.message()));
+        ForgetLocked(b.ws);
+        return err;
       }
       return b.ws;
     }
@@ -382,11 +457,15 @@ class Registry {
       mine = c.ordinal;
       ++entry->arrived;
     } else if (mine != c.ordinal) {
-      return InvalidArgument(
+      Error_Type err = InvalidArgument(
           kWhere, "rank ", c.rank, " of group ", c.group, " (P=", cfg.num_ranks, ", site ",
           cfg.site, ") was claimed by devices ", mine, " and ", c.ordinal,
           " in one execution: the custom call was replicated over a mesh axis that is not manual "
           "(use jax.shard_map over every mesh axis of size > 1, or transport='xla')");
+      PoisonEntryLocked(key, entry, c.rank,
+                        PoisonText(c.rank, c.group, cfg.num_ranks, cfg.site, c.ordinal,
+                                   err.message()));
+      return err;
     }
     if (entry->arrived == cfg.num_ranks && !entry->ws && entry->error.empty()) {
       Complete(key, *entry, cfg, c.run_id);
@@ -421,18 +500,50 @@ class Registry {
             "ECHO_JAX_TIMEOUT_S");
       }
     }
+    if (entry->poisoned) {  // a rank of the group failed before it could join: so do we
+      if (entry->ordinals[c.rank] == c.ordinal) {
+        entry->ordinals[c.rank] = -1;
+        --entry->arrived;
+      }
+      Account(key, entry, c.rank);
+      return Aborted(kWhere, "rank ", c.rank, " of group ", c.group, " gave up in stage 'join': ",
+                     entry->error);
+    }
     if (!entry->error.empty()) return InvalidArgument(kWhere, entry->error);
     return entry->ws;
+  }
+
+  // Tells the group of rank c.rank at `site` that this rank failed with `error`, a reason of
+  // its own, so that its peers fail at once instead of waiting for it until the timeout: through
+  // the workspace it is bound to in this execution (peers waiting on flags poll the poison
+  // word), or else through the group's join (peers waiting there are woken, later ones fail on
+  // arrival). The workspace is dropped from the registry, so the next execution starts afresh.
+  void ReportFailure(const Coords& c, int64_t site, int num_ranks, const std::string& error) {
+    const std::string why = PoisonText(c.rank, c.group, num_ranks, site, c.ordinal, error);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto cached = bindings_.find(std::make_pair(c.ordinal, site));
+    if (cached != bindings_.end() && cached->second.run_id == c.run_id &&
+        cached->second.rank == c.rank && cached->second.group == c.group &&
+        cached->second.ws->num_ranks() == num_ranks) {
+      cached->second.ws->Poison(c.rank, why);
+      ForgetLocked(cached->second.ws);
+      return;
+    }
+    const JoinKey key{c.run_id, site, c.group, num_ranks};
+    std::shared_ptr<JoinEntry>& slot = joins_[key];
+    if (!slot) slot = std::make_shared<JoinEntry>(num_ranks);
+    std::shared_ptr<JoinEntry> entry = slot;
+    if (entry->ordinals[c.rank] == c.ordinal) {  // it had arrived: withdraw
+      entry->ordinals[c.rank] = -1;
+      --entry->arrived;
+    }
+    PoisonEntryLocked(key, entry, c.rank, why);
   }
 
   // Drops a broken workspace so that the next execution gets a fresh one.
   void Forget(const std::shared_ptr<Workspace>& ws) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = workspaces_.find(std::make_pair(ws->site(), ws->ordinals()));
-    if (it != workspaces_.end() && it->second.ws == ws) workspaces_.erase(it);
-    for (auto b = bindings_.begin(); b != bindings_.end();) {
-      b = b->second.ws == ws ? bindings_.erase(b) : std::next(b);
-    }
+    ForgetLocked(ws);
   }
 
   void Stats(int64_t* workspaces, int64_t* pending_joins, int64_t* cached_bindings) {
@@ -462,11 +573,14 @@ class Registry {
     }
   };
   struct JoinEntry {
-    explicit JoinEntry(int num_ranks) : ordinals(num_ranks, -1) {}
+    explicit JoinEntry(int num_ranks) : ordinals(num_ranks, -1), accounted(num_ranks, 0) {}
     std::vector<int32_t> ordinals;  // device of each rank, -1 until it arrives
     int arrived = 0;
     std::shared_ptr<Workspace> ws;  // set once all ranks arrived
     std::string error;              // set instead when the ranks do not form a valid group
+    bool poisoned = false;          // error is a rank's own failure (ReportFailure)
+    std::vector<char> accounted;    // poisoned: ranks that failed or have seen the failure
+    int num_accounted = 0;
     std::condition_variable cv;
   };
   struct Binding {
@@ -480,6 +594,38 @@ class Registry {
     std::shared_ptr<Workspace> ws;
     uint64_t last_use;
   };
+
+  // With mu_ held: rank `rank` failed (`why`); wakes the ranks waiting in this join. The entry
+  // stays until every rank has failed or seen the failure, so that late ones fail on arrival.
+  void PoisonEntryLocked(const JoinKey& key, const std::shared_ptr<JoinEntry>& entry, int rank,
+                         const std::string& why) {
+    if (!entry->poisoned) {
+      entry->poisoned = true;
+      entry->error = why;
+    }
+    entry->cv.notify_all();
+    Account(key, entry, rank);
+  }
+
+  // With mu_ held: `rank` is done with a poisoned join; the last one removes it.
+  void Account(const JoinKey& key, const std::shared_ptr<JoinEntry>& entry, int rank) {
+    if (!entry->accounted[rank]) {
+      entry->accounted[rank] = 1;
+      ++entry->num_accounted;
+    }
+    if (entry->num_accounted == static_cast<int>(entry->accounted.size())) {
+      auto it = joins_.find(key);
+      if (it != joins_.end() && it->second == entry) joins_.erase(it);
+    }
+  }
+
+  // With mu_ held: drops a broken workspace from the registry. The bindings to it stay, so that
+  // later calls of the same execution fail at once with its reason (a rank that joined again
+  // would wait for peers that have stopped); the next execution replaces them.
+  void ForgetLocked(const std::shared_ptr<Workspace>& ws) {
+    auto it = workspaces_.find(std::make_pair(ws->site(), ws->ordinals()));
+    if (it != workspaces_.end() && it->second.ws == ws) workspaces_.erase(it);
+  }
 
   // Called with mu_ held by the last rank to arrive: hands the workspace to all P ranks.
   void Complete(const JoinKey& key, JoinEntry& entry, const CallConfig& cfg, int64_t run_id) {
@@ -572,10 +718,7 @@ Error_Type WaitFlag(const WaitSite& w, int peer, int64_t target, const char* sta
       ECHO_CPU_RELAX();
       continue;
     }
-    if (w.ws.broken()) {
-      return Aborted(kWhere, "rank ", w.c.rank, " of group ", w.c.group, " gave up in stage '",
-                     stage, "' because a peer failed: ", w.ws.BrokenReason());
-    }
+    if (w.ws.broken()) return PeerFailed(w.ws, w.c.rank, w.c.group, stage);
     if (Clock::now() > deadline) {
       const int64_t seen = flag.load(std::memory_order_acquire);
       if (seen >= target) return Error_Type::Success();
@@ -704,10 +847,8 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
   const int g = cfg.group_size;
   RankState& st = ws.rank_state(me);
   std::lock_guard<std::mutex> call_lock(st.call_mu);
-  if (ws.broken()) {
-    return Aborted(kWhere, "rank ", me, " of group ", c.group,
-                   " cannot use its workspace after an earlier failure in this execution: ",
-                   ws.BrokenReason());
+  if (ws.broken()) {  // an earlier call of this execution failed: so does this one, at once
+    return PeerFailed(ws, me, c.group, "start");
   }
   if (cfg.absent_rank == me) {  // test hook: behave like a peer that never arrives
     std::memset(io.y, 0, static_cast<size_t>(cfg.n) * ElementBytes(cfg.dtype));  // +0 in any dtype
@@ -736,6 +877,10 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
     std::vector<uint8_t>& slot = ws.push_slot(j, me);
     GrowSlot(slot, cfg.slot_bytes);
     QuantizeSegment(cfg, io, j, slot.data(), buf);
+    if (cfg.failing_rank == me && cfg.failing_stage == kFailPush) {  // test hook
+      return Internal(kWhere, cfg.failure, " (test hook debug_failing_rank: rank ", me,
+                      " fails in stage 'push')");
+    }
   }
   ws.flag(me).store(base, std::memory_order_release);
 
@@ -800,17 +945,45 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
     ECHO_FFI_RETURN_IF_ERROR(WaitFlag(w, j, base + 2, "tail", "to gather its segment sum"));
     FinishSegment(cfg, io, j, ws.gather_slot(me, j).data());
   }
+  if (cfg.failing_rank == me && cfg.failing_stage == kFailTail) {  // test hook
+    return Internal(kWhere, cfg.failure, " (test hook debug_failing_rank: rank ", me,
+                    " fails after its tail)");
+  }
   return Error_Type::Success();
 }
 
 // The plain compute function: validated inputs in, the all-reduce (and state update) out.
 // Blocks until the group has finished (or failed); runs on a TaskRunner thread.
+//
+// A failure of this rank's own (the test hook, an exception such as std::bad_alloc from growing
+// a slot) poisons the workspace with this rank and its cause, so that the peers fail at once
+// naming both; a rank that gives up because of its peers (timeout, disagreeing peers, a poisoned
+// workspace) has marked the workspace broken before returning, and the first reason stays.
 Error_Type EchoAllReduceHost(const CallConfig& cfg, const Coords& c, const RankIO& io) {
-  ECHO_FFI_ASSIGN_OR_RETURN(std::shared_ptr<Workspace> ws, GetRegistry().Join(cfg, c));
-  Error_Type err = RunProtocol(cfg, c, *ws, io);
+  std::shared_ptr<Workspace> ws;
+  Error_Type err = Error_Type::Success();
+  try {
+    ffi::ErrorOr<std::shared_ptr<Workspace>> joined = GetRegistry().Join(cfg, c);
+    if (joined.has_error()) return std::move(joined.error());  // Join has told the group
+    ws = std::move(joined.value());
+    err = RunProtocol(cfg, c, *ws, io);
+  } catch (const std::exception& e) {
+    err = Internal(kWhere, "rank ", c.rank, " of group ", c.group, " failed with an exception: ",
+                   e.what());
+  } catch (...) {
+    err = Internal(kWhere, "rank ", c.rank, " of group ", c.group,
+                   " failed with an unknown exception");
+  }
   if (err.failure()) {
-    ws->MarkBroken(err.message());
-    GetRegistry().Forget(ws);
+    if (ws == nullptr) {  // the exception came from the join
+      GetRegistry().ReportFailure(c, cfg.site, cfg.num_ranks, err.message());
+    } else {
+      if (!ws->broken()) {
+        ws->Poison(c.rank, PoisonText(c.rank, c.group, cfg.num_ranks, cfg.site, c.ordinal,
+                                      err.message()));
+      }
+      GetRegistry().Forget(ws);
+    }
   }
   return err;
 }
@@ -898,12 +1071,44 @@ struct Job {
   RankIO io;
 };
 
+// Where a rank that failed before joining reports it: its coordinates, call site and group size
+// when those could be read.
+struct FailureAddress {
+  Coords c;
+  int64_t site;
+  int num_ranks;
+};
+
+// Reads the group of a call whose validation failed, leniently (only what identifies the group:
+// the attributes num_ranks and site and the coords operand). Without it (one of them is missing
+// or out of range) the failure cannot be told to the peers, which then time out.
+std::optional<FailureAddress> AddressOf(int32_t device_ordinal, ffi::RunId run_id,
+                                        const S32Buffer_Type& coords,
+                                        const Dictionary_Type& attrs) {
+  ffi::ErrorOr<int64_t> num_ranks =
+      GetAttrInRange<int64_t>(attrs, "num_ranks", 1, echo::kMaxRanks, kWhere, "");
+  ffi::ErrorOr<int64_t> site = GetAttrInRange<int64_t>(attrs, "site", 0, INT64_MAX, kWhere, "");
+  if (num_ranks.has_error() || site.has_error() || coords.element_count() != 2) {
+    return std::nullopt;
+  }
+  const int32_t rank = coords.typed_data()[0];
+  const int32_t group = coords.typed_data()[1];
+  if (rank < 0 || rank >= num_ranks.value() || group < 0) return std::nullopt;
+  return FailureAddress{Coords{rank, group, device_ordinal, run_id.run_id}, site.value(),
+                        static_cast<int>(num_ranks.value())};
+}
+
 // Runs `job` (or reports its validation error) and returns the future XLA waits on. The operand
-// and result buffers stay valid until the future completes.
-ffi::Future Launch(ffi::ErrorOr<Job> job) {
+// and result buffers stay valid until the future completes. A validation error is also reported
+// to the rank's group when `address` says which group that is.
+ffi::Future Launch(ffi::ErrorOr<Job> job, const std::optional<FailureAddress>& address) {
   ffi::Promise promise;
   ffi::Future future(promise);
   if (job.has_error()) {
+    if (address.has_value()) {
+      GetRegistry().ReportFailure(address->c, address->site, address->num_ranks,
+                                  job.error().message());
+    }
     promise.SetError(std::move(job.error()));
     return future;
   }
@@ -919,8 +1124,10 @@ ffi::Future Launch(ffi::ErrorOr<Job> job) {
     }
   });
   if (!started) {
-    promise.SetError(Internal(kWhere, "could not start a host thread for rank ", job->c.rank,
-                              " of group ", job->c.group, " (thread limit reached?)"));
+    Error_Type err = Internal(kWhere, "could not start a host thread for rank ", job->c.rank,
+                              " of group ", job->c.group, " (thread limit reached?)");
+    GetRegistry().ReportFailure(job->c, job->cfg.site, job->cfg.num_ranks, err.message());
+    promise.SetError(std::move(err));
   }
   return future;
 }
@@ -938,6 +1145,15 @@ ffi::ErrorOr<Coords> ReadCoords(S32Buffer_Type coords, int32_t device_ordinal, f
   return Coords{rank, group, device_ordinal, run_id.run_id};
 }
 
+// Test hook: the validation of rank cfg.failing_rank fails (before the rank joins its group).
+Error_Type DebugFailValidation(const CallConfig& cfg, const Coords& c) {
+  if (cfg.failing_rank == c.rank && cfg.failing_stage == kFailValidate) {
+    return InvalidArgument(kWhere, cfg.failure, " (test hook debug_failing_rank: rank ", c.rank,
+                           " fails its validation)");
+  }
+  return Error_Type::Success();
+}
+
 ffi::ErrorOr<Job> PrepareAllReduce(int32_t device_ordinal, ffi::RunId run_id, Buffer_Type x,
                                    S32Buffer_Type coords, Result_Type y,
                                    const Dictionary_Type& attrs) {
@@ -946,6 +1162,7 @@ ffi::ErrorOr<Job> PrepareAllReduce(int32_t device_ordinal, ffi::RunId run_id, Bu
   ECHO_FFI_ASSIGN_OR_RETURN(CallConfig cfg,
                             ParseConfig(attrs, n, x.element_type(), /*compensated=*/false));
   ECHO_FFI_ASSIGN_OR_RETURN(Coords c, ReadCoords(coords, device_ordinal, run_id, cfg.num_ranks));
+  ECHO_FFI_RETURN_IF_ERROR(DebugFailValidation(cfg, c));
   return Job{cfg, c,
              RankIO{x.untyped_data(), nullptr, nullptr, y->untyped_data(), nullptr, nullptr}};
 }
@@ -968,6 +1185,7 @@ ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId
   ECHO_FFI_ASSIGN_OR_RETURN(CallConfig cfg,
                             ParseConfig(attrs, n, x.element_type(), /*compensated=*/true));
   ECHO_FFI_ASSIGN_OR_RETURN(Coords c, ReadCoords(coords, device_ordinal, run_id, cfg.num_ranks));
+  ECHO_FFI_RETURN_IF_ERROR(DebugFailValidation(cfg, c));
   return Job{cfg, c,
              RankIO{x.untyped_data(), m1.typed_data(), m2.typed_data(), y->untyped_data(),
                     m1_out->typed_data(), m2_out->typed_data()}};
@@ -979,7 +1197,10 @@ ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId
 
 ffi::Future EchoAllReduceCpuImpl(int32_t device_ordinal, ffi::RunId run_id, Buffer_Type x,
                                  S32Buffer_Type coords, Result_Type y, Dictionary_Type attrs) {
-  return Launch(PrepareAllReduce(device_ordinal, run_id, x, coords, y, attrs));
+  ffi::ErrorOr<Job> job = PrepareAllReduce(device_ordinal, run_id, x, coords, y, attrs);
+  std::optional<FailureAddress> address;
+  if (job.has_error()) address = AddressOf(device_ordinal, run_id, coords, attrs);
+  return Launch(std::move(job), address);
 }
 
 ffi::Future EchoAllReduceCompensatedCpuImpl(int32_t device_ordinal, ffi::RunId run_id,
@@ -987,8 +1208,11 @@ ffi::Future EchoAllReduceCompensatedCpuImpl(int32_t device_ordinal, ffi::RunId r
                                             F32Buffer_Type m2, S32Buffer_Type coords,
                                             Result_Type y, F32Result_Type m1_out,
                                             F32Result_Type m2_out, Dictionary_Type attrs) {
-  return Launch(PrepareAllReduceCompensated(device_ordinal, run_id, x, m1, m2, coords, y, m1_out,
-                                            m2_out, attrs));
+  ffi::ErrorOr<Job> job = PrepareAllReduceCompensated(device_ordinal, run_id, x, m1, m2, coords,
+                                                      y, m1_out, m2_out, attrs);
+  std::optional<FailureAddress> address;
+  if (job.has_error()) address = AddressOf(device_ordinal, run_id, coords, attrs);
+  return Launch(std::move(job), address);
 }
 
 }  // namespace
@@ -1014,7 +1238,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<echo_jax::S32Buffer_Type>()         // coords: int32 [2] = (rank, group id)
         .Ret<echo_jax::Buffer_Type>()            // y: [n] x's dtype, the sum, same on every rank
         .Attrs());  // num_ranks, bits, group_size, policy, segment_groups, site, timeout_ms,
-                    // debug_absent_rank (see echo_jax/p2p.py)
+                    // debug_absent_rank, debug_failing_rank, debug_failing_stage,
+                    // debug_failure (see echo_jax/p2p.py)
 
 // echo_jax_allreduce_compensated (platform "cpu"): Algorithm 1 fused into the all-reduce.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

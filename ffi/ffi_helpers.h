@@ -105,6 +105,10 @@ template <>
 struct AttrTypeName<bool> {
   static constexpr const char* value = "a bool";
 };
+template <>
+struct AttrTypeName<std::string_view> {
+  static constexpr const char* value = "a string (a Python str)";
+};
 
 // Reads attribute `name` of type T, with an error that names the attribute, the expected type
 // and what to do about it (the attributes are written by echo_jax/p2p.py; a mismatch means the

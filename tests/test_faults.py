@@ -2,6 +2,9 @@
 behaviour"). Each test here failed on the code before its fix, or pins a behaviour a sweep of
 bad configs, inputs and transforms found correct and that no other test held."""
 
+import re
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,3 +167,68 @@ def test_nan_in_compensated_state_stays_in_its_group_until_reset(transport):
     # ... and a reset (zeros, the start of the next pass) clears it.
     y2, _ = f(x[:, None], jnp.zeros_like(m1)[:, None])
     assert np.all(np.isfinite(np.asarray(y2)))
+
+
+# ----------------------------------------------------------------------------- a failing rank
+
+def _rank_outcomes(y, mesh):
+    """Per rank (device order of the mesh): the error text its shard of y raises, or None."""
+    rank_of = {d: r for r, d in enumerate(mesh.devices.flat)}
+    outcomes = [None] * len(rank_of)
+    for shard in y.addressable_shards:
+        try:
+            np.asarray(shard.data)
+        except jax.errors.JaxRuntimeError as err:
+            outcomes[rank_of[shard.device]] = str(err)
+    return outcomes
+
+
+def _p2p_program(mesh, nranks, compensated, calls=3):
+    """`calls` all-reduces of one call site in a loop (one execution runs them all)."""
+    cfg = ej.EchoConfig(bits=4, transport="p2p")
+
+    def body(v):
+        def step(c, _):
+            if compensated:
+                y, _, _ = p2p.p2p_allreduce_compensated(v + c, v * 0, v * 0, "tp", nranks, cfg)
+            else:
+                y = p2p.p2p_allreduce(v + c, "tp", nranks, cfg)
+            return c + jnp.float32(1), y
+        _, ys = jax.lax.scan(step, jnp.float32(0), None, length=calls)
+        return jax.lax.pcast(ys[-1], ("tp",), to="varying")
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+
+
+@pytest.mark.parametrize("stage, compensated", [
+    ("validate", False), ("push", False), ("tail", False), ("validate", True), ("push", True)])
+def test_failing_rank_poisons_its_group(monkeypatch, stage, compensated):
+    # Rank 2 fails for a reason it knows (in its validation, before joining its group; in push;
+    # after its tail, so that the peers fail at the loop's next call): it tells its peers through
+    # the group's join or workspace, and they fail at once naming rank 2 and the cause, not after
+    # ECHO_JAX_TIMEOUT_S (30 s here) as for a peer that never arrives.
+    nranks, cause = 4, f"deliberate failure in {stage}"
+    mesh = make_mesh((nranks,), ("tp",))
+    x = jax.device_put(jax.random.normal(jax.random.key(3), (nranks * 1000,)),
+                       jax.sharding.NamedSharding(mesh, P("tp")))
+    monkeypatch.setenv(p2p.TIMEOUT_ENV, "30")
+    other = _p2p_program(mesh, nranks, compensated).lower(x).compile()  # another call site
+    want = np.asarray(other(x))
+    with p2p.debug_failing_rank(2, cause, stage=stage):
+        failing = _p2p_program(mesh, nranks, compensated).lower(x).compile()
+
+    for attempt in range(2):  # the next call on the same group fails the same way, at once
+        t0 = time.perf_counter()
+        outcomes = _rank_outcomes(failing(x), mesh)
+        elapsed = time.perf_counter() - t0
+        assert elapsed < 1.0, (attempt, elapsed, outcomes)
+        assert all(o is not None for o in outcomes), outcomes
+        assert cause in outcomes[2], outcomes[2]                  # its own error names the cause
+        for r in (0, 1, 3):
+            assert re.search(rf"rank 2 of the group failed.*: {cause}", outcomes[r]), outcomes[r]
+
+    # Other call sites of the same devices keep working, and so does a fresh one.
+    np.testing.assert_array_equal(np.asarray(other(x)), want)
+    fresh = _p2p_program(mesh, nranks, compensated)
+    np.testing.assert_array_equal(np.asarray(fresh(x)), want)
+    assert p2p.registry_stats()["pending_joins"] == 0
