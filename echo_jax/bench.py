@@ -517,17 +517,11 @@ def bench_allreduce(args) -> dict:
                 rows=rows, unavailable_rows=unavailable, skipped_sizes=skipped)
 
 
-def wire_bytes_per_element(bits: int, group_size: int = 128, policy: str = "asym") -> float:
-    """Bytes on the wire per element: b/8 for the code plus the group's fp16 parameters."""
-    from echo_jax.quant import num_params
-    return bits / 8 + 2 * num_params(policy) / group_size
-
-
 def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     """Bytes of device memory that all P virtual ranks of a row must read and write at least.
 
     Per rank and element of an itemsize-byte contribution, with w wire bytes per element
-    (`wire_bytes_per_element`, g = 128, asym): x is read once and y written once (2 itemsize);
+    (`projection.wire_bytes_per_element`, g = 128, asym): x is read once and y written once (2 itemsize);
     the codes are written by the push ((P-1)/P of the message), read by the owners' reduce
     ((P-1)/P), written by the gather into every rank's slot (1) and read by the tail ((P-1)/P):
     w (3 (P-1)/P + 1). The compensated rows add the fp32 state: m1, m2 read where x' is formed,
@@ -538,6 +532,7 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     if row == "psum":
         return 2 * ranks * n * itemsize
     bits = 8 if row in ("xla8", "p2p8") else 4
+    from echo_jax.projection import wire_bytes_per_element
     w = wire_bytes_per_element(bits)
     per_element = 2 * itemsize + w * (3 * (ranks - 1) / ranks + 1)
     if "comp" in row:

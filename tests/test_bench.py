@@ -244,3 +244,18 @@ def test_e2e_tiny(tmp_path, capsys):
             assert r["measured_load_pct"] > 0 and r["background_copies"] > 0
         else:
             assert r["measured_load_pct"] == 0.0
+
+
+def test_byte_floor_against_hand_counted_bytes():
+    # P = 4 ranks, fp32, 4 bits, g = 128, asym: w = 0.5 + 4 / 128 = 0.53125 B a value. Per rank
+    # and value: x read + y written (8 B), codes written by the push (3/4 w), read by the reduce
+    # (3/4 w), written by the gather into all 4 slots (w), read by the tail (3/4 w).
+    n = 1 << 20
+    per_value = 8 + 0.53125 * (0.75 + 0.75 + 1 + 0.75)
+    assert bench.byte_floor("p2p4", n, 4, 4) == round(per_value * n * 4)
+    assert bench.byte_floor("xla4", n, 4, 4) == bench.byte_floor("p2p4", n, 4, 4)
+    # 8 bits: w = 1 + 4 / 128; bf16 at P = 2: x and y 2 B each.
+    assert bench.byte_floor("p2p8", n, 2, 2) == round((4 + 1.03125 * (0.5 * 3 + 1)) * n * 2)
+    # The fused compensator adds m1, m2 read (8), x, m1, m2 read again (4 + 8), m1, m2 written (8).
+    assert bench.byte_floor("p2p4-comp-fused", n, 4, 4) == round((per_value + 28) * n * 4)
+    assert bench.byte_floor("psum", n, 4, 4) == 2 * 4 * n * 4
