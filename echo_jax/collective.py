@@ -8,8 +8,10 @@ Protocol (the same for every transport, so they produce the same bits):
    Where the "p2p" custom call runs and nothing else has to happen in fp32 around it (no
    rescaling, no rotation; uncompensated, or compensated in the fused call), the 16-bit x goes
    into the call as it is and the sum comes out in x's dtype: the call widens and rounds itself,
-   with the same bits, and no fp32 copy of x is made in XLA. The compensator state is fp32 always
-   and is updated with the fp32 sum, before its rounding.
+   with the same bits, and no fp32 copy of x is made in XLA. The compensator state is updated
+   with the fp32 sum, before its rounding; it is stored in `EchoConfig.state_dtype` (fp32 by
+   default; a bfloat16 state is widened exactly for the arithmetic and the new averages are
+   rounded to nearest even, `echo_jax.compensator`).
 2. Push: every rank quantizes every segment and sends segment j to its owner j (all-to-all).
 3. Reduce: owner j dequantizes the P-1 copies it received and adds them to its own full-precision
    segment in fp32, in rank order 0..P-1 with its own value at its own position, then quantizes
@@ -24,6 +26,12 @@ before step 1, and the sum is rotated back after step 4, so one outlier channel 
 group's scale. The rotation is plain JAX around the unchanged transports (the custom call included,
 so "xla" and "p2p" still give the same bits); the compensator's apply and update steps then run in
 JAX around the call, not fused into it, and stay in the original basis. Gradients are psum's.
+
+Fused or unfused compensation (decided in one place, `fused_compensation`): the "p2p" custom
+call fuses the apply and update steps only for an fp32 state, with no rescaling and no rotation.
+Otherwise (a bfloat16 state, rescale, rotation, or the "xla" transport) the apply step, the
+uncompensated transport and the update run one after the other in JAX, so "xla" and "p2p" give
+the same bits for a bfloat16 state too.
 
 Size gate: a contribution of fewer than `EchoConfig.min_bytes` bytes per rank (each array of a
 pytree decided on its own, statically from its shape and dtype) is summed by `lax.psum` instead,
@@ -197,13 +205,26 @@ def power_of_two_scale(x32, axis):
     return jnp.where(ok, jnp.ldexp(jnp.float32(1), k), jnp.float32(1))
 
 
+def fused_compensation(config: EchoConfig, rescale: bool) -> bool:
+    """Whether a compensated call with this config may fuse apply + update into the custom call.
+
+    The one place that decides it (`_echo_leaf` asks only here): the fused calls (the CPU
+    handler and the CUDA kernels) take an fp32 state only, and nothing may run in fp32 around
+    them (no rescale, no rotation: the rotated call would see rotated values). A bfloat16 state
+    runs unfused on every transport: apply in JAX, the uncompensated transport, update in JAX.
+    Whether the custom call runs at all is `resolve_transport`'s choice.
+    """
+    return (config.state_dtype == "float32" and not rescale
+            and config.rotation == "none")
+
+
 def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     dtype = jnp.result_type(x)
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"echo_psum: dtype {dtype} is not supported; use float32, bfloat16 or "
                          "float16 (cast integers or float64 first)")
     if state is not None:
-        comp.check_state(state, x)
+        comp.check_state(state, x, config=config)
     num_ranks = axis_size(axis)
     if num_ranks == 1:
         return x, state
@@ -222,16 +243,20 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     # With the rotation the compensator runs in JAX around the (unfused) transport, so that
     # its state stays in the original basis; the fused custom call would see rotated values.
     rotated = config.rotation == "hadamard"
-    if not rescale and not rotated and resolve_transport(config, axis, flat.shape[0]) == "p2p":
+    direct = (not rescale and not rotated
+              and resolve_transport(config, axis, flat.shape[0]) == "p2p")
+    if direct and state is None:
         # Nothing runs in fp32 around the custom call: x enters it in its own dtype (the call
         # widens a 16-bit x exactly) and the sum leaves it in x's dtype, rounded from fp32 as
         # y32.astype(dtype) rounds it.
-        if state is None:
-            return _allreduce_f32(flat, axis, num_ranks, config).reshape(shape), None
+        return _allreduce_f32(flat, axis, num_ranks, config).reshape(shape), None
+    if direct and fused_compensation(config, rescale):
         # Fused compensation (Sec. 5.3): the apply step runs in the call's entry pass and the
         # state update inside the call, with the fp32 sum; m1/m2 are updated in place.
         y, m1, m2 = _fused_allreduce_f32(flat, m.m1, m.m2, axis, num_ranks, config)
         return y.reshape(shape), comp.CompensatorState(m1.reshape(shape), m2.reshape(shape))
+    # Unfused (the xla transport; or p2p with a bfloat16 state, rescale or rotation): apply,
+    # the uncompensated transport, update, in JAX.
     x32 = flat.astype(jnp.float32)
     k = comp.Coefficients.from_config(config)
     if state is not None:
@@ -344,4 +369,4 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
 
 
 __all__ = ["echo_psum", "xla_allreduce", "segment_layout", "resolve_transport",
-           "power_of_two_scale", "FORCE_XLA_ENV"]
+           "fused_compensation", "power_of_two_scale", "FORCE_XLA_ENV"]

@@ -1,7 +1,8 @@
 """The two-timescale error-feedback compensator (Algorithm 1 of the Echo paper, Sec. 5.1).
 
-Per rank and per pass direction the state is a pair of fp32 averages (m1, m2) of the residuals
-u = x' - y_hat / P left by earlier sites. At site k:
+Per rank and per pass direction the state is a pair of averages (m1, m2) of the residuals
+u = x' - y_hat / P left by earlier sites, stored in `EchoConfig.state_dtype` (fp32 by default).
+At site k:
 
     c  = eta * (a * m1 + (1 - a) * m2)          Eq. 10, correction
     x' = x + c                                  apply (fused into the collective's entry pass)
@@ -14,6 +15,16 @@ Bit-exact arithmetic (shared with the custom call): every coefficient is compute
 the config and rounded once to fp32 (`Coefficients`); c = (eta*a)*m1 + (eta*(1-a))*m2; y/P is
 y * f32(1/P); each rounded product is materialised before it meets an addition (no fused
 multiply-add), in the order written above.
+
+State dtype (`EchoConfig.state_dtype`, "float32" or "bfloat16"): the apply step and the update
+are computed in fp32 exactly as above whatever the storage dtype. A bfloat16 m1, m2 is widened to
+fp32 (exactly) when read, and the new m1, m2, computed in fp32, are rounded to bfloat16 (round to
+nearest even) when stored: x, y and u are never rounded, only the stored state. The rounding is
+`lax.reduce_precision` to 8 exponent / 7 mantissa bits followed by the (then exact) conversion,
+so XLA cannot drop it even where it allows excess precision (it may remove a convert pair
+f32 -> bf16 -> f32). With "float32" nothing is rounded and every bit is as before. The fused
+custom call takes an fp32 state only: `echo_jax.collective` runs a bfloat16 state unfused (apply
+and update in JAX around the uncompensated transport), so every transport gives the same bits.
 """
 
 from __future__ import annotations
@@ -24,26 +35,55 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from echo_jax.config import EchoConfig
 from echo_jax.quant import _no_fma
 
 
 class CompensatorState(NamedTuple):
-    """State of one compensated site sequence, per rank: fp32 arrays of x's per-rank shape."""
+    """State of one compensated site sequence, per rank: arrays of x's per-rank shape, in the
+    state dtype (`EchoConfig.state_dtype`; fp32 by default)."""
 
     m1: jax.Array
     m2: jax.Array
 
 
-def init_state(x) -> CompensatorState:
+def state_dtype(config: EchoConfig | None = None, dtype=None):
+    """The storage dtype of a state: `dtype` if given, else config.state_dtype, else float32.
+
+    Raises a ValueError if both are given and disagree, or `dtype` is not a state dtype.
+    """
+    if dtype is not None:
+        name = EchoConfig(state_dtype=dtype).state_dtype  # validated, canonical name
+        if config is not None and config.state_dtype != name:
+            raise ValueError(f"init_state: dtype={name!r} disagrees with "
+                             f"EchoConfig.state_dtype={config.state_dtype!r}")
+        return jnp.dtype(name)
+    if config is not None:
+        if not isinstance(config, EchoConfig):
+            raise ValueError(f"init_state: config must be an EchoConfig, got "
+                             f"{type(config).__name__}")
+        return jnp.dtype(config.state_dtype)
+    return jnp.dtype(jnp.float32)
+
+
+def init_state(x, config: EchoConfig | None = None, *, dtype=None) -> CompensatorState:
     """Zero state for contributions shaped like `x` (an array, a ShapeDtypeStruct, or a pytree).
+
+    Args:
+      x: an array, a ShapeDtypeStruct or a pytree of them (only the shapes are used).
+      config: the EchoConfig of the sites the state will go through: m1, m2 are made in its
+        `state_dtype`. None: float32 (or `dtype`).
+      dtype: the state dtype ("float32" or "bfloat16"), instead of or agreeing with config's.
 
     For a pytree the result is a pytree of the same structure with a `CompensatorState` at each
     leaf, the form `echo_psum` takes for pytree inputs.
     """
+    dt = state_dtype(config, dtype)
+
     def one(leaf):
-        z = jnp.zeros(jnp.shape(leaf), jnp.float32)
+        z = jnp.zeros(jnp.shape(leaf), dt)
         return CompensatorState(z, z)
 
     return jax.tree.map(one, x)
@@ -68,23 +108,49 @@ class Coefficients:
                    f(config.beta2), f(1.0 - config.beta2))
 
 
+def _widen(m):
+    """A stored average as fp32 (exact for a bfloat16 state; no op for fp32)."""
+    return m if jnp.result_type(m) == jnp.float32 else m.astype(jnp.float32)
+
+
+def _store(v32, dtype):
+    """An fp32 average rounded to the state dtype (to nearest even), as stored."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return v32
+    if dtype != jnp.bfloat16:
+        raise ValueError(f"compensator state dtype must be float32 or bfloat16, got {dtype}")
+    # reduce_precision rounds to nearest even like the convert, and XLA keeps it even where it
+    # allows excess precision; the convert that follows is then exact.
+    return lax.reduce_precision(v32, exponent_bits=8, mantissa_bits=7).astype(dtype)
+
+
 def apply_correction(x32, state: CompensatorState, k: Coefficients):
-    """x' = x + eta (a m1 + (1 - a) m2), in fp32 (Eq. 10)."""
-    p1, p2 = _no_fma(k.ea * state.m1, k.eb * state.m2)
+    """x' = x + eta (a m1 + (1 - a) m2), in fp32 (Eq. 10); the state is widened to fp32."""
+    p1, p2 = _no_fma(k.ea * _widen(state.m1), k.eb * _widen(state.m2))
     return x32 + (p1 + p2)
 
 
 def update_state(x_prime, y32, num_ranks: int, state: CompensatorState,
                  k: Coefficients) -> CompensatorState:
-    """Residual u = x' - y/P and the two moving averages (Eq. 4 and Eq. 11), in fp32."""
+    """Residual u = x' - y/P and the two moving averages (Eq. 4 and Eq. 11), in fp32.
+
+    The new m1, m2 are returned in the dtype of `state`'s (rounded to nearest even if that is
+    bfloat16; unchanged bits for fp32).
+    """
     t = _no_fma(y32 * np.float32(1.0 / num_ranks))
     u = x_prime - t
-    q1, r1, q2, r2 = _no_fma(k.b1 * state.m1, k.c1 * u, k.b2 * state.m2, k.c2 * u)
-    return CompensatorState(q1 + r1, q2 + r2)
+    q1, r1, q2, r2 = _no_fma(k.b1 * _widen(state.m1), k.c1 * u, k.b2 * _widen(state.m2),
+                             k.c2 * u)
+    return CompensatorState(_store(q1 + r1, jnp.result_type(state.m1)),
+                            _store(q2 + r2, jnp.result_type(state.m2)))
 
 
-def check_state(state, x, where: str = "echo_psum") -> None:
-    """Raise a ValueError that names the problem if `state` does not fit contribution `x`."""
+def check_state(state, x, where: str = "echo_psum", config: EchoConfig | None = None) -> None:
+    """Raise a ValueError that names the problem if `state` does not fit contribution `x`.
+
+    The state's dtype must be config.state_dtype (float32 when config is None).
+    """
     if not isinstance(state, CompensatorState):
         raise ValueError(
             f"{where}: state must be a CompensatorState(m1, m2) (see echo_jax.init_state), "
@@ -93,8 +159,12 @@ def check_state(state, x, where: str = "echo_psum") -> None:
         if jnp.shape(arr) != jnp.shape(x):
             raise ValueError(f"{where}: state.{name} has shape {jnp.shape(arr)} but the "
                              f"contribution has shape {jnp.shape(x)}; use init_state(x)")
-        if jnp.result_type(arr) != jnp.float32:
-            raise ValueError(f"{where}: state.{name} must be float32, got {jnp.result_type(arr)}")
+        want = jnp.dtype(config.state_dtype if config is not None else jnp.float32)
+        if jnp.result_type(arr) != want:
+            raise ValueError(
+                f"{where}: state.{name} must be {want} (EchoConfig.state_dtype="
+                f"{want.name!r}), got {jnp.result_type(arr)}; use init_state(x, config)")
 
 
-__all__ = ["CompensatorState", "init_state", "Coefficients", "apply_correction", "update_state"]
+__all__ = ["CompensatorState", "init_state", "state_dtype", "Coefficients", "apply_correction",
+           "update_state"]

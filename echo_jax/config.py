@@ -16,6 +16,7 @@ POLICIES = ("asym", "sym", "asym_naive")
 TRANSPORTS = ("auto", "p2p", "xla")
 BITS = (4, 8)
 ROTATIONS = ("none", "hadamard")
+STATE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,12 @@ class EchoConfig:
         outlier. The wire format and cost are unchanged; needs a power-of-two group_size.
         With a compensator state the apply and update steps run in JAX around the custom call
         (not fused into it), in the original basis, so the state means the same either way.
+      state_dtype: storage dtype of the compensator state (m1, m2): "float32" (default) or
+        "bfloat16" (a NumPy / JAX dtype or its name is accepted and stored as the name). The
+        apply and update steps compute in fp32 either way; a bfloat16 state is widened exactly
+        and the new averages are rounded to nearest even when stored (`echo_jax.compensator`).
+        The fused custom call takes an fp32 state only, so a bfloat16 state runs the apply and
+        update steps in JAX around the uncompensated transport (same bits on every transport).
 
     Properties:
       wire_bits_per_element: bits sent per value by one quantized copy, codes plus the fp16
@@ -62,6 +69,7 @@ class EchoConfig:
     transport: str = "auto"
     min_bytes: int = 0
     rotation: str = "none"
+    state_dtype: str = "float32"
 
     def __post_init__(self):
         # Numbers arrive as Python or NumPy scalars (np.int64(64), np.float32(0.5), 128.0):
@@ -102,6 +110,7 @@ class EchoConfig:
             raise ValueError(
                 f"EchoConfig.group_size must be a power of two with rotation='hadamard' (one "
                 f"Hadamard block per group), got {g}")
+        object.__setattr__(self, "state_dtype", _as_state_dtype(self.state_dtype))
 
     @property
     def wire_bits_per_element(self) -> float:
@@ -132,6 +141,23 @@ class EchoConfig:
     def replace(self, **changes) -> "EchoConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _as_state_dtype(v) -> str:
+    """A state dtype (a name, a NumPy / JAX dtype or scalar type) as its canonical name."""
+    bad = ValueError(f"EchoConfig.state_dtype must be one of {STATE_DTYPES}, got {v!r}")
+    if isinstance(v, (bool, np.bool_, numbers.Number)) or v is None:
+        raise bad
+    try:
+        import ml_dtypes  # shipped with JAX; names numpy's extension dtype "bfloat16"
+
+        name = np.dtype(ml_dtypes.bfloat16 if isinstance(v, str) and v == "bfloat16"
+                        else v).name
+    except (TypeError, ValueError, AttributeError):
+        raise bad from None
+    if name not in STATE_DTYPES:
+        raise bad
+    return name
 
 
 def _as_int(name: str, v) -> int:

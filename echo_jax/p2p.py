@@ -416,6 +416,11 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
       is updated with the fp32 sum, before its rounding to x's dtype.
     """
     where = "p2p_allreduce_compensated"
+    for name, m in (("m1_flat", m1_flat), ("m2_flat", m2_flat)):
+        if jnp.result_type(m) != jnp.float32:
+            raise ValueError(f"{where}: {name} must be float32 (the fused call takes an fp32 "
+                             f"state only), got {jnp.result_type(m)}; echo_psum runs a "
+                             "bfloat16 state unfused")
     k = comp.Coefficients.from_config(config)
     if _resolve(where, axis, config, x_flat32, num_ranks) is not None:
         from echo_jax.collective import xla_allreduce

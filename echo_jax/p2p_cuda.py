@@ -132,6 +132,7 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
         y = jax.ffi.ffi_call("echo_allreduce_virtual_cuda", y_type)(
             flat, absent_rank=np.int64(absent_rank), **_attrs(config, num_ranks, False))
         return y.reshape(x.shape)
+    _check_state_f32(state, "virtual_allreduce")
     m_type = jax.ShapeDtypeStruct(flat.shape, jnp.float32)
     y, m1, m2 = jax.ffi.ffi_call(
         "echo_allreduce_virtual_comp_cuda", (y_type, m_type, m_type),
@@ -139,6 +140,15 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
         flat, state.m1.reshape(flat.shape), state.m2.reshape(flat.shape),
         **_attrs(config, num_ranks, True))
     return y.reshape(x.shape), comp.CompensatorState(m1.reshape(x.shape), m2.reshape(x.shape))
+
+
+def _check_state_f32(state, where):
+    """The CUDA kernels take an fp32 compensator state only (a bfloat16 state runs unfused)."""
+    for name in ("m1", "m2"):
+        dt = jnp.result_type(getattr(state, name))
+        if dt != jnp.float32:
+            raise ValueError(f"{where}: state.{name} must be float32 (the fused kernels take an "
+                             f"fp32 state only), got {dt}")
 
 
 def mesh_groups(axis, num_ranks: int) -> np.ndarray | None:
@@ -171,6 +181,7 @@ def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None):
     y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
     if state is None:
         return jax.ffi.ffi_call("echo_allreduce_cuda", y_type)(x, **attrs)
+    _check_state_f32(state, "rank_allreduce")
     m_type = jax.ShapeDtypeStruct(x.shape, jnp.float32)
     y, m1, m2 = jax.ffi.ffi_call("echo_allreduce_comp_cuda", (y_type, m_type, m_type),
                                  input_output_aliases={1: 1, 2: 2})(x, state.m1, state.m2, **attrs)

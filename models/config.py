@@ -516,6 +516,22 @@ class CommConfig:
         if self.early_8bit and self.echo is None:
             raise ValueError("CommConfig.early_8bit=True needs an Echo config "
                              "(CommConfig.echo is None: the exact baseline has no bits to choose)")
+        dtypes = {c.state_dtype for c in self._echo_configs()}
+        if len(dtypes) > 1:
+            raise ValueError(f"CommConfig: the Echo configs disagree on state_dtype "
+                             f"{sorted(dtypes)}; the compensator state flows from site to site, "
+                             "so every site must store it in one dtype")
+
+    def _echo_configs(self) -> tuple:
+        if self.site_policy is not None:
+            return tuple(c for c in self.site_policy.configs if c is not None)
+        return () if self.echo is None else (self.echo,)
+
+    @property
+    def state_dtype(self) -> str:
+        """The dtype of the compensator states ("float32" or "bfloat16"): the Echo configs'
+        `state_dtype` (they agree), float32 for the exact baseline."""
+        return next((c.state_dtype for c in self._echo_configs()), "float32")
 
     def replace(self, **changes) -> "CommConfig":
         """A copy with some fields changed (validated again)."""

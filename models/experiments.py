@@ -134,12 +134,13 @@ class Variant(NamedTuple):
     comm: object
 
 
-def inference_variants(tp: int, transport: str = "xla") -> list:
+def inference_variants(tp: int, transport: str = "xla", extra: bool = False) -> list:
     """The rows of the inference table (Tables 4-6 analog), 16-bit first.
 
     Args:
       tp: the number of ranks P.
       transport: the Echo transport ("xla" under the vmap simulation).
+      extra: also the rows that run only when named by --configs (`EXTRA_INFERENCE`).
 
     Returns:
       A list of `Variant`.
@@ -159,7 +160,14 @@ def inference_variants(tp: int, transport: str = "xla") -> list:
         Variant("4bit-naive", "4-bit", "4-bit naive asym (comp)", c(4, policy="asym_naive")),
         Variant("early-8bit", "mixed", "early-site 8-bit (first half 8, rest 4; comp)",
                 c(4, early=True)),
-    ]
+    ] + ([
+        Variant("4bit-comp-bf16state", "4-bit", "4-bit comp, bfloat16 state",
+                c(4, state_dtype="bfloat16")),
+    ] if extra else [])
+
+
+#: Rows of the inference table that run only when --configs names them.
+EXTRA_INFERENCE = ("4bit-comp-bf16state",)
 
 
 #: Ablation rows (the Echo paper Table 8 analog): key, group, label, EchoConfig changes. Each row
@@ -238,7 +246,8 @@ def describe_comm(comm) -> dict:
     return {"bits": e.bits, "policy": e.policy, "group_size": e.group_size,
             "compensated": e.compensated, "eta": e.eta, "blend": e.blend, "beta1": e.beta1,
             "beta2": e.beta2, "early_8bit": comm.early_8bit, "tp": comm.tp,
-            "transport": e.transport, "rotation": getattr(e, "rotation", "none")}
+            "transport": e.transport, "rotation": getattr(e, "rotation", "none"),
+            "state_dtype": e.state_dtype}
 
 
 # --------------------------------------------------------------------------------------------
@@ -518,7 +527,7 @@ def run_inference(args) -> dict:
     """The inference table: one row per `inference_variants` entry. Returns the JSON record."""
     setup = load_setup(args)
     scorer = Scorer(setup, args.batch_size, not args.quiet)
-    variants = inference_variants(setup.tp)
+    variants = inference_variants(setup.tp, extra=bool(args.configs))
     if args.configs:
         unknown = sorted(set(args.configs) - {v.key for v in variants})
         if unknown:
@@ -791,7 +800,7 @@ def instrumented_forward(params, tokens, model_cfg, comm, hook=None, hook_xs=Non
 
     emb = params["embed"]["embedding"]
     h = jnp.take(emb.astype(dt), tokens, axis=0)                       # [B, T, D]
-    state = comp.init_state(h) if compensated else None
+    state = comp.init_state(h, e) if compensated else None
     carry = (h, jnp.zeros(h.shape, f32), state)
     n_layers = cfg.n_layers
     hx = None if hook_xs is None else jax.tree.map(
@@ -1547,7 +1556,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(p)
     p.add_argument("--configs", nargs="+", metavar="KEY",
                    help="only these rows (16bit always runs): 8bit-comp 8bit-none 4bit-comp "
-                        "4bit-none 4bit-sym 4bit-naive early-8bit")
+                        "4bit-none 4bit-sym 4bit-naive early-8bit, and (only when named) "
+                        "4bit-comp-bf16state (the compensator state stored in bfloat16)")
 
     p = sub.add_parser("ablations", help="component ablations at 4 and 8 bits (Table 8)",
                        description="Each row changes one component of the full method. "

@@ -28,7 +28,7 @@ norm's backward sees the full (reduced) cotangent and its weights get identical 
 every rank.
 
 Compensator states (echo_jax.tp): the forward state is one CompensatorState shaped like a block
-output [B, T, D] (fp32), carried through the scan carry and created as zeros at the start of every
+output [B, T, D] (in CommConfig.state_dtype: fp32 unless the Echo configs ask for bfloat16), carried through the scan carry and created as zeros at the start of every
 forward pass. The backward state is a CompensatorState input of every f site threaded through the
 carry in the forward pass (returned unchanged); in the backward pass its cotangent carries the live
 state from site to site in backward order. Its initial value is zeros (`init_state`), so the
@@ -375,7 +375,7 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, xs, positions, rope):
         cfg, comm = self.cfg, self.comm
-        h, fwd, bwd = carry            # h: [B, T, D]; fwd, bwd: CompensatorState of [B, T, D] fp32
+        h, fwd, bwd = carry            # h: [B, T, D]; fwd, bwd: CompensatorState of [B, T, D]
         layer, choices, cache = xs     # layer: int32 []; cache: ([B, S, KV/P, hd],) * 2 or None
         fcfg, bcfg = comm.forward_configs(), comm.backward_configs()
         if choices is None:            # one config, or per layer (early 8-bit)
@@ -430,7 +430,7 @@ class Transformer(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.dim, dtype=dt, param_dtype=pdt,
                          embedding_init=nn.initializers.normal(INIT_STD), name="embed")
         h = embed(tokens)                                       # [B, T, D], replicated
-        fwd = init_state(h)                                     # zeros at the start of the pass
+        fwd = init_state(h, dtype=self.comm.state_dtype)        # zeros at the start of the pass
         rope = rope_tables(positions, cfg.head_dim, cfg.rope_base)  # ([T, hd], [T, hd])
 
         layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if self.remat else DecoderLayer
@@ -643,7 +643,7 @@ def forward_local(params, tokens, model_cfg: ModelConfig, comm: CommConfig, *,
       cache: a KVCache of this rank: the tokens go to positions cache.length ... + T - 1 and
         attend to the cached ones; None: positions 0 ... T - 1, no cache.
       bwd_state: the initial backward compensator state (zeros CompensatorState of [B, T, D]
-        fp32); None creates it. Pass it explicitly to read the final backward state as its
+        in comm.state_dtype); None creates it. Pass it explicitly to read the final backward state as its
         gradient.
       return_state_norms: also return the per-layer forward-state norms.
       remat: rematerialise each layer in the backward pass (saves activation memory).
@@ -657,7 +657,8 @@ def forward_local(params, tokens, model_cfg: ModelConfig, comm: CommConfig, *,
     start = jnp.int32(0) if cache is None else cache.length
     positions = start + jnp.arange(t, dtype=jnp.int32)                     # [T]
     if bwd_state is None:
-        bwd_state = init_state(jax.ShapeDtypeStruct((b, t, model_cfg.dim), F32))
+        bwd_state = init_state(jax.ShapeDtypeStruct((b, t, model_cfg.dim), F32),
+                               dtype=comm.state_dtype)
     layer_cache = None if cache is None else (cache.k, cache.v)
     module = Transformer(model_cfg, comm, return_state_norms, remat)
     logits, new_cache, norms = module.apply({"params": params}, tokens, positions, bwd_state,

@@ -132,6 +132,10 @@ def add_comm_args(parser: argparse.ArgumentParser, default_bits: int = 16) -> No
     g.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="Echo transport: auto (the custom call where it can run, else XLA), "
                         "xla, or p2p. Simulated ranks always use xla.")
+    g.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="storage dtype of the compensator state m1, m2 (computed in fp32 "
+                        "either way; bfloat16 rounds the stored state to nearest even and runs "
+                        "unfused). Default float32.")
     g.add_argument("--site-bits", metavar="FILE",
                    help="per-site precision: a site-policy JSON (written by python -m "
                         "models.calibrate) giving every all-reduce site its own bits / group "
@@ -154,6 +158,10 @@ def comm_from_args(args):
             policy = load_site_policy(site_bits, transport=args.transport)
         except FileNotFoundError as err:
             raise ValueError(f"--site-bits: {err}") from None
+        sd = getattr(args, "state_dtype", "float32")
+        if sd != "float32":
+            policy = dataclasses.replace(policy, configs=tuple(
+                None if c is None else c.replace(state_dtype=sd) for c in policy.configs))
         on = not args.no_compensation
         return CommConfig(tp=args.tp, site_policy=policy, compensate_forward=on,
                           compensate_backward=on)
@@ -164,7 +172,8 @@ def comm_from_args(args):
         return CommConfig(tp=args.tp)
     eta = 0.0 if args.no_compensation else args.eta
     echo = EchoConfig(bits=args.bits, group_size=args.group_size, policy=args.policy, eta=eta,
-                      transport=args.transport, rotation=getattr(args, "rotation", "none"))
+                      transport=args.transport, rotation=getattr(args, "rotation", "none"),
+                      state_dtype=getattr(args, "state_dtype", "float32"))
     return CommConfig(tp=args.tp, echo=echo, early_8bit=args.early_8bit)
 
 
