@@ -499,5 +499,5 @@ def registry_stats() -> dict:
 
 
 __all__ = ["choose", "unavailable_reason", "limit_reason", "available_platforms", "p2p_allreduce",
-           "p2p_allreduce_compensated", "debug_absent_rank", "debug_failing_rank", "build_info", "runtime_ffi_api",
-           "build_mismatch", "registry_stats", "TIMEOUT_ENV", "POLICY_CODES"]
+           "p2p_allreduce_compensated", "debug_absent_rank", "debug_failing_rank", "build_info",
+           "runtime_ffi_api", "build_mismatch", "registry_stats", "TIMEOUT_ENV", "POLICY_CODES"]
