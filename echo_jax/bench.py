@@ -52,7 +52,8 @@ UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 SIZE_ALIASES = {"small": "64KB,256KB,1MB,4MB,16MB", "large": "64MB,256MB,1GB"}
 
 #: Rows of `bench allreduce`, in the order they are run and printed.
-ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-comp-unfused", "p2p4-comp-fused")
+ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-rescale", "p2p4-comp-unfused",
+        "p2p4-comp-fused")
 
 ROW_LABELS = {
     "psum": "lax.psum (16-bit baseline)",
@@ -60,6 +61,7 @@ ROW_LABELS = {
     "xla4": "two-collective 4-bit (transport xla)",
     "p2p8": "Echo custom call 8-bit",
     "p2p4": "Echo custom call 4-bit",
+    "p2p4-rescale": "4-bit, rescale='auto' (echo_psum's default: max |x| + scalar pmax)",
     "p2p4-comp-unfused": "4-bit + compensator as separate ops",
     "p2p4-comp-fused": "4-bit + compensator fused",
 }
@@ -283,8 +285,10 @@ def _mesh_rows(mesh, ranks: int):
                                      out_specs=PS("tp") if nout == 1 else (PS("tp"),) * nout,
                                      check_vma=False))
 
-    def plain(cfg):
-        return wrap(lambda x: ej.echo_psum(x[0], "tp", config=cfg)[None], 1, 1)
+    def plain(cfg, rescale=False):
+        # The paper's rows run unscaled (rescale=False, as the TP forward does); p2p4-rescale
+        # is echo_psum's default, rescale="auto".
+        return wrap(lambda x: ej.echo_psum(x[0], "tp", config=cfg, rescale=rescale)[None], 1, 1)
 
     def unfused(x, m1, m2):
         # The compensator as separate jnp passes around the uncompensated custom call, with
@@ -292,18 +296,19 @@ def _mesh_rows(mesh, ranks: int):
         x32 = x[0].astype(jnp.float32)
         state = comp.CompensatorState(m1[0], m2[0])
         xp = comp.apply_correction(x32, state, k)
-        y32 = ej.echo_psum(xp, "tp", config=cfgs["comp"])
+        y32 = ej.echo_psum(xp, "tp", config=cfgs["comp"], rescale=False)
         new = comp.update_state(xp, y32, ranks, state, k)
         return y32.astype(x.dtype)[None], new.m1[None], new.m2[None]
 
     def fused(x, m1, m2):
         y, new = ej.echo_psum(x[0], "tp", config=cfgs["comp"],
-                              state=comp.CompensatorState(m1[0], m2[0]))
+                              state=comp.CompensatorState(m1[0], m2[0]), rescale=False)
         return y[None], new.m1[None], new.m2[None]
 
     rows = {"psum": (wrap(lambda x: lax.psum(x[0], "tp")[None], 1, 1), False)}
     for name in ("xla8", "xla4", "p2p8", "p2p4"):
         rows[name] = (plain(cfgs[name]), False)
+    rows["p2p4-rescale"] = (plain(cfgs["p2p4"], "auto"), False)
     f_unfused, f_fused = wrap(unfused, 3, 3), wrap(fused, 3, 3)
     rows["p2p4-comp-unfused"] = (lambda v: f_unfused(*v), True)
     rows["p2p4-comp-fused"] = (lambda v: f_fused(*v), True)
@@ -318,7 +323,7 @@ def _virtual_rows(ranks: int):
 
     import echo_jax as ej
     from echo_jax import compensator as comp
-    from echo_jax import p2p_cuda
+    from echo_jax import collective, p2p_cuda
 
     cfgs = _configs()
     wire = {name: c.replace(transport="auto") for name, c in cfgs.items()}
@@ -342,9 +347,17 @@ def _virtual_rows(ranks: int):
 
     rows = {"psum": (vmapped(lambda r: lax.psum(r, "tp")), False)}
     for name in ("xla8", "xla4"):
-        rows[name] = (vmapped(lambda r, c=cfgs[name]: ej.echo_psum(r, "tp", config=c)), False)
+        rows[name] = (vmapped(lambda r, c=cfgs[name]: ej.echo_psum(r, "tp", config=c,
+                                                                   rescale=False)), False)
     for name in ("p2p8", "p2p4"):
         rows[name] = (jax.jit(lambda v, c=wire[name]: p2p_cuda.virtual_allreduce(v, c)), False)
+
+    def rescaled(v):
+        # echo_psum's default: the factor from max |x| and a pmax over the ranks, then the call.
+        f = jax.vmap(lambda r: collective.rescale_factor(r, "tp", "auto"), axis_name="tp")(v)
+        return p2p_cuda.virtual_allreduce(v, wire["p2p4"], factor=f[0])
+
+    rows["p2p4-rescale"] = (jax.jit(rescaled), False)
     rows["p2p4-comp-unfused"] = (jax.jit(unfused), True)
     rows["p2p4-comp-fused"] = (jax.jit(fused), True)
     return rows
@@ -525,8 +538,9 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     the codes are written by the push ((P-1)/P of the message), read by the owners' reduce
     ((P-1)/P), written by the gather into every rank's slot (1) and read by the tail ((P-1)/P):
     w (3 (P-1)/P + 1). The compensated rows add the fp32 state: m1, m2 read where x' is formed,
-    x, m1, m2 read again and m1, m2 written where y is produced (24 + itemsize). psum (a local
-    reduction of the P rows under vmap here) reads and writes each row once. The "xla" rows run
+    x, m1, m2 read again and m1, m2 written where y is produced (24 + itemsize). The rescaled
+    row reads x once more for its max (itemsize). psum (a local reduction of the P rows under
+    vmap here) reads and writes each row once. The "xla" rows run
     the same protocol, so their floor is the p2p row's of equal bits.
     """
     if row == "psum":
@@ -537,6 +551,8 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     per_element = 2 * itemsize + w * (3 * (ranks - 1) / ranks + 1)
     if "comp" in row:
         per_element += 24 + itemsize
+    if "rescale" in row:
+        per_element += itemsize
     return int(round(per_element * n * ranks))
 
 
@@ -1119,7 +1135,8 @@ def bench_virtual(args) -> dict:
 
         def xla(v, bits):
             cfg = ej.EchoConfig(bits=bits, transport="xla")
-            return jax.vmap(lambda r: ej.echo_psum(r, "tp", config=cfg), axis_name="tp")(v)
+            return jax.vmap(lambda r: ej.echo_psum(r, "tp", config=cfg, rescale=False),
+                            axis_name="tp")(v)
 
         def p2p(v, bits):
             return p2p_cuda.virtual_allreduce(v, ej.EchoConfig(bits=bits))

@@ -137,29 +137,42 @@ def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
     return y.reshape(-1)[:n]
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _allreduce_f32(x_flat32, axis, num_ranks, config):
+def xla_allreduce_scaled(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=None):
+    """`xla_allreduce` in units multiplied by `factor` (the Echo paper Sec. 5.4).
+
+    The reference of the custom call's factor operand: x (widened to fp32) times the shared power
+    of two, the quantized all-reduce, the fp32 sum times 1 / factor (both exact), then rounded to
+    x's dtype. `factor` None: `xla_allreduce` itself.
+    """
+    if factor is None:
+        return xla_allreduce(x_flat32, axis, num_ranks, config)
+    dtype = jnp.result_type(x_flat32)
+    f = jnp.asarray(factor, jnp.float32).reshape(())
+    y32 = xla_allreduce(x_flat32.astype(jnp.float32) * f, axis, num_ranks, config)
+    return (y32 * (jnp.float32(1) / f)).astype(dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _allreduce_f32(x_flat32, factor, axis, num_ranks, config):
     # x: flat fp32, or bfloat16 / float16 for the custom call (fp32 arithmetic inside either
-    # way); the sum comes back in x's dtype.
-    return _dispatch(config, axis, x_flat32.shape[0])(x_flat32, axis, num_ranks, config)
+    # way); the sum comes back in x's dtype. factor: None, or the f32 power of two of the
+    # rescaling (applied inside the custom call, around xla_allreduce on the xla transport).
+    transport = resolve_transport(config, axis, x_flat32.shape[0])
+    if transport == "xla":
+        return xla_allreduce_scaled(x_flat32, axis, num_ranks, config, factor)
+    from echo_jax import p2p  # the custom call; imported lazily
+    return p2p.p2p_allreduce(x_flat32, axis, num_ranks, config, factor=factor)
 
 
 @_allreduce_f32.defjvp
 def _allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
     # Straight-through: the derivative of the quantized sum is taken as that of the exact sum.
     # A 16-bit tangent is summed in fp32 and rounded once, as on the fp32 path around the call
-    # (x.astype(f32) -> sum -> astype), so both paths give the same derivative bits.
-    (x,), (t,) = primals, tangents
+    # (x.astype(f32) -> sum -> astype), so both paths give the same derivative bits. The factor
+    # is a constant of the derivative (a power of two chosen from stopped values).
+    (x, factor), (t, _) = primals, tangents
     t = t.astype(jnp.float32)
-    return _allreduce_f32(x, axis, num_ranks, config), lax.psum(t, axis).astype(x.dtype)
-
-
-def _dispatch(config: EchoConfig, axis=None, num_elements=None):
-    transport = resolve_transport(config, axis, num_elements)
-    if transport == "xla":
-        return xla_allreduce
-    from echo_jax import p2p  # the custom call; imported lazily
-    return p2p.p2p_allreduce
+    return _allreduce_f32(x, factor, axis, num_ranks, config), lax.psum(t, axis).astype(x.dtype)
 
 
 def resolve_transport(config: EchoConfig, axis=None, num_elements=None) -> str:
@@ -188,34 +201,69 @@ def resolve_transport(config: EchoConfig, axis=None, num_elements=None) -> str:
     return p2p.choose(config, axis, num_elements)
 
 
-def power_of_two_scale(x32, axis):
-    """Shared power-of-two factor 2^k so that the group-wide max |x| lands in [256, 512).
+#: The values of echo_psum's `rescale`.
+RESCALE_MODES = (False, True, "auto")
 
-    One scalar `pmax` across the group (the Echo paper Sec. 5.4); 1 when the max is 0 or not
-    finite. Multiplying and dividing by it is exact.
+#: rescale="auto" scales up only a contribution whose group-wide max |x| is below this (then the
+#: largest groups' fp16 scales would leave fp16's normal range, at 4 and 8 bits); from it up the
+#: factor is 1, the same bits as rescale=False. It never scales down: a huge value is NaN in its
+#: own group (loud, README "Failure behaviour"), while scaling the whole contribution down to fit
+#: it would flush every ordinary group to zero, silently.
+AUTO_RESCALE_BELOW = 2.0 ** -6
+
+
+def check_rescale(rescale, where="echo_psum"):
+    """rescale as one of RESCALE_MODES, or a ValueError that names the value."""
+    if rescale is True or rescale is False or rescale == "auto":
+        return rescale
+    if isinstance(rescale, (np.bool_,)):
+        return bool(rescale)
+    raise ValueError(f"{where}: rescale must be True, False or 'auto', got {rescale!r}")
+
+
+def rescale_factor(x, axis, mode=True):
+    """Shared power-of-two factor of the rescaling (the Echo paper Sec. 5.4), f32 scalar.
+
+    One scalar `pmax` of max |x| across the group. mode True: 2^k so that the group-wide max
+    lands in [256, 512); "auto": that factor only where the max is below AUTO_RESCALE_BELOW,
+    1 from it up. 1 when the max is 0 or not finite. Multiplying and dividing by it is exact.
+
+    Args:
+      x: this rank's values (any float dtype; the max is taken in it, no fp32 copy of x).
+      axis: the bound axis of the all-reduce.
+      mode: True or "auto".
     """
     # The factor is a constant of the derivative (a power of two chosen from the data): take it
     # from a stopped value, so that grad / jvp never differentiate the pmax (no rule for it).
-    x32 = lax.stop_gradient(x32)
-    local = jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0)
+    x = lax.stop_gradient(x)
+    local = jnp.max(jnp.abs(x)).astype(jnp.float32) if x.size else jnp.float32(0)
     amax = lax.pmax(local, axis)
     _, e = jnp.frexp(amax)
     k = jnp.clip(9 - e, -120, 120)
     ok = jnp.isfinite(amax) & (amax > 0)
+    if mode == "auto":
+        ok = ok & (amax < jnp.float32(AUTO_RESCALE_BELOW))
     return jnp.where(ok, jnp.ldexp(jnp.float32(1), k), jnp.float32(1))
 
 
-def fused_compensation(config: EchoConfig, rescale: bool) -> bool:
+def power_of_two_scale(x32, axis):
+    """`rescale_factor(x32, axis, True)`: max |x| over the group lands in [256, 512)."""
+    return rescale_factor(x32, axis, True)
+
+
+def fused_compensation(config: EchoConfig, rescale=False) -> bool:
     """Whether a compensated call with this config may fuse apply + update into the custom call.
 
     The one place that decides it (`_echo_leaf` asks only here): the fused calls (the CPU
     handler and the CUDA kernels) take an fp32 state only, and nothing may run in fp32 around
-    them (no rescale, no rotation: the rotated call would see rotated values). A bfloat16 state
-    runs unfused on every transport: apply in JAX, the uncompensated transport, update in JAX.
-    Whether the custom call runs at all is `resolve_transport`'s choice.
+    them (no rotation: the rotated call would see rotated values). The rescaling factor is an
+    operand of the fused call (applied after the apply step, undone before the update, as
+    Sec. 5.4 orders them), so `rescale` does not unfuse it. A bfloat16 state runs unfused on
+    every transport: apply in JAX, the uncompensated transport, update in JAX. Whether the
+    custom call runs at all is `resolve_transport`'s choice.
     """
-    return (config.state_dtype == "float32" and not rescale
-            and config.rotation == "none")
+    check_rescale(rescale, "fused_compensation")
+    return config.state_dtype == "float32" and config.rotation == "none"
 
 
 def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
@@ -243,20 +291,23 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     # With the rotation the compensator runs in JAX around the (unfused) transport, so that
     # its state stays in the original basis; the fused custom call would see rotated values.
     rotated = config.rotation == "hadamard"
-    direct = (not rescale and not rotated
-              and resolve_transport(config, axis, flat.shape[0]) == "p2p")
+    # The rescaling factor comes from x itself (before the apply step), on every path, so that
+    # the fused call needs no fp32 copy of x' in XLA: x' differs from x by the small correction,
+    # far inside the headroom the factor leaves (max |x| * factor < 512, fp16 holds 65504 * Q).
+    factor = None if (rescale is False or rotated) else rescale_factor(flat, axis, rescale)
+    direct = not rotated and resolve_transport(config, axis, flat.shape[0]) == "p2p"
     if direct and state is None:
         # Nothing runs in fp32 around the custom call: x enters it in its own dtype (the call
-        # widens a 16-bit x exactly) and the sum leaves it in x's dtype, rounded from fp32 as
-        # y32.astype(dtype) rounds it.
-        return _allreduce_f32(flat, axis, num_ranks, config).reshape(shape), None
+        # widens a 16-bit x exactly, and multiplies by the factor) and the sum leaves it in x's
+        # dtype, divided by the factor and rounded from fp32 as y32.astype(dtype) rounds it.
+        return _allreduce_f32(flat, factor, axis, num_ranks, config).reshape(shape), None
     if direct and fused_compensation(config, rescale):
         # Fused compensation (Sec. 5.3): the apply step runs in the call's entry pass and the
         # state update inside the call, with the fp32 sum; m1/m2 are updated in place.
-        y, m1, m2 = _fused_allreduce_f32(flat, m.m1, m.m2, axis, num_ranks, config)
+        y, m1, m2 = _fused_allreduce_f32(flat, m.m1, m.m2, factor, axis, num_ranks, config)
         return y.reshape(shape), comp.CompensatorState(m1.reshape(shape), m2.reshape(shape))
-    # Unfused (the xla transport; or p2p with a bfloat16 state, rescale or rotation): apply,
-    # the uncompensated transport, update, in JAX.
+    # Unfused (the xla transport; or p2p with a bfloat16 state or rotation): apply, the
+    # uncompensated transport (rescaled inside), update, in JAX.
     x32 = flat.astype(jnp.float32)
     k = comp.Coefficients.from_config(config)
     if state is not None:
@@ -264,11 +315,8 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     if rotated:
         # Unfused around the (unchanged) transport: rotate, reduce, rotate back.
         y32 = _rotated_allreduce_f32(x32, axis, num_ranks, config, rescale)
-    elif rescale:
-        f = lax.stop_gradient(power_of_two_scale(x32, axis))
-        y32 = _allreduce_f32(x32 * f, axis, num_ranks, config) * (jnp.float32(1) / f)
     else:
-        y32 = _allreduce_f32(x32, axis, num_ranks, config)
+        y32 = _allreduce_f32(x32, factor, axis, num_ranks, config)
     y = y32.reshape(shape).astype(dtype)
     if state is None:
         return y, None
@@ -294,11 +342,8 @@ def _rotated_allreduce_f32(x_flat32, axis, num_ranks, config, rescale):
     n = x_flat32.shape[0]
     padded = -(-max(n, 1) // g) * g
     xr = rot.hadamard_rotate(jnp.pad(x_flat32, (0, padded - n)), g)
-    if rescale:
-        f = power_of_two_scale(xr, axis)
-        yr = _allreduce_f32(xr * f, axis, num_ranks, config) * (jnp.float32(1) / f)
-    else:
-        yr = _allreduce_f32(xr, axis, num_ranks, config)
+    factor = None if rescale is False else rescale_factor(xr, axis, rescale)
+    yr = _allreduce_f32(xr, factor, axis, num_ranks, config)
     return rot.hadamard_unrotate(yr, g)[:n]
 
 
@@ -310,26 +355,28 @@ def _rotated_allreduce_f32_jvp(axis, num_ranks, config, rescale, primals, tangen
     return _rotated_allreduce_f32(x, axis, num_ranks, config, rescale), lax.psum(t, axis)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
-def _fused_allreduce_f32(x_flat32, m1, m2, axis, num_ranks, config):
-    # x: flat fp32, bfloat16 or float16 (the sum comes back in its dtype); m1, m2: fp32.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
+def _fused_allreduce_f32(x_flat32, m1, m2, factor, axis, num_ranks, config):
+    # x: flat fp32, bfloat16 or float16 (the sum comes back in its dtype); m1, m2: fp32;
+    # factor: None or the f32 power of two of the rescaling.
     from echo_jax import p2p
-    return p2p.p2p_allreduce_compensated(x_flat32, m1, m2, axis, num_ranks, config)
+    return p2p.p2p_allreduce_compensated(x_flat32, m1, m2, axis, num_ranks, config,
+                                         factor=factor)
 
 
 @_fused_allreduce_f32.defjvp
 def _fused_allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
     # Straight-through for x (as in `_allreduce_f32`, a 16-bit tangent summed in fp32); the
-    # state carries no derivative.
-    x, m1, m2 = primals
-    y, n1, n2 = _fused_allreduce_f32(x, m1, m2, axis, num_ranks, config)
+    # state and the factor carry no derivative.
+    x, m1, m2, factor = primals
+    y, n1, n2 = _fused_allreduce_f32(x, m1, m2, factor, axis, num_ranks, config)
     t = tangents[0].astype(jnp.float32)
     return (y, n1, n2), (lax.psum(t, axis).astype(y.dtype), jnp.zeros_like(n1),
                          jnp.zeros_like(n2))
 
 
 def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
-              rescale: bool = False):
+              rescale: bool | str = "auto"):
     """Sum `x` over the mesh or vmap axis `axis_name` with the Echo 4/8-bit all-reduce.
 
     A drop-in for `lax.psum(x, axis_name)` inside `jax.shard_map` or `jax.vmap(...,
@@ -343,8 +390,15 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
       state: None (uncompensated), or a `CompensatorState` (a pytree of them for pytree x) from
         `init_state(x)` or from the previous site.
       rescale: multiply by a shared power of two before quantizing and divide after (Sec. 5.4),
-        so tiny or huge magnitudes do not leave fp16's range; costs one scalar pmax. With
-        `config.rotation="hadamard"` the factor is taken from the rotated values.
+        so tiny or huge magnitudes do not leave fp16's range of the group scales (the factor is
+        exact, and an operand of the custom call, so the fused compensated path stays fused).
+        "auto" (default): scales up only where the group-wide max |x| is below
+        AUTO_RESCALE_BELOW = 2^-6 (elsewhere the same bits as False; a huge value stays NaN in
+        its group rather than flushing the others to zero); True: always, to max |x| in
+        [256, 512); False: never (values below about 1e-5 lose precision silently, below 1e-12
+        all of it). "auto" and True cost one read of x (its max) and one scalar pmax a call
+        (README "Failure behaviour"). With `config.rotation="hadamard"` the factor is taken from
+        the rotated values.
 
     Returns:
       The sum, shaped and typed like x; with `state`, the pair (sum, new_state).
@@ -354,6 +408,7 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
         raise ValueError(f"echo_psum: config must be an EchoConfig, got {type(config).__name__}")
     axis = _single_axis(axis_name, "echo_psum")
     axis_size(axis)  # a clear error before tracing anything else
+    rescale = check_rescale(rescale)
     leaves, treedef = jax.tree.flatten(x)
     if state is None:
         ys = [_echo_leaf(leaf, None, axis, config, rescale)[0] for leaf in leaves]
@@ -369,4 +424,5 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
 
 
 __all__ = ["echo_psum", "xla_allreduce", "segment_layout", "resolve_transport",
-           "fused_compensation", "power_of_two_scale", "FORCE_XLA_ENV"]
+           "fused_compensation", "power_of_two_scale", "rescale_factor", "check_rescale",
+           "xla_allreduce_scaled", "RESCALE_MODES", "AUTO_RESCALE_BELOW", "FORCE_XLA_ENV"]

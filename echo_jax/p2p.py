@@ -361,7 +361,22 @@ def _resolve(where, axis, config, x_flat32, num_ranks):
     return reason
 
 
-def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
+def factor_operand(factor, like=None):
+    """The custom call's factor operand: f32[1], the rescaling's power of two (1 when None).
+
+    Args:
+      factor: None or an f32 scalar (echo_jax.collective.rescale_factor).
+      like: an operand whose varying mesh axes the factor takes (a shard_map type check wants
+        the operands of one call typed alike).
+    """
+    f = jnp.ones((1,), jnp.float32) if factor is None else \
+        jnp.reshape(jnp.asarray(factor, jnp.float32), (1,))
+    if like is not None:
+        f = _compat.to_varying(f, _compat.varying_axes(like))
+    return f
+
+
+def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=None):
     """The quantized all-reduce of a flat contribution through the Echo custom call.
 
     Same arguments, result and bits as `echo_jax.collective.xla_allreduce` (to which it falls
@@ -373,6 +388,9 @@ def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
       axis: the bound axis name to reduce over.
       num_ranks: its size P.
       config: bits, group size and policy.
+      factor: None, or the f32 power of two of the rescaling (the Echo paper Sec. 5.4): the
+        call multiplies x by it on entry and divides the sum by it before the output, as
+        `echo_jax.collective.xla_allreduce_scaled` does.
 
     Returns:
       [n] in x's dtype, identical on every rank (typed like lax.psum's result): the fp32 sum
@@ -380,23 +398,24 @@ def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
     """
     where = "p2p_allreduce"
     if _resolve(where, axis, config, x_flat32, num_ranks) is not None:
-        from echo_jax.collective import xla_allreduce
-        return xla_allreduce(x_flat32, axis, num_ranks, config)
+        from echo_jax.collective import xla_allreduce_scaled
+        return xla_allreduce_scaled(x_flat32, axis, num_ranks, config, factor)
     if _on_gpu():
         from echo_jax import p2p_cuda
-        y = p2p_cuda.rank_allreduce(x_flat32, axis, num_ranks, config)
+        y = p2p_cuda.rank_allreduce(x_flat32, axis, num_ranks, config, factor=factor)
         return _compat.to_varying(y, _compat.varying_axes(x_flat32) - {axis})
     attrs = _check_call(where, x_flat32, axis, num_ranks, config)
     _register(_current_platform(jax.sharding.get_abstract_mesh()))
     n = jnp.shape(x_flat32)[0]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n,), x_flat32.dtype),
                             vmap_method="sequential")
-    y = call(x_flat32, _coords(axis), **attrs)
+    coords = _coords(axis)
+    y = call(x_flat32, coords, factor_operand(factor, coords), **attrs)
     return _compat.to_varying(y, _compat.varying_axes(x_flat32) - {axis})
 
 
 def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
-                              config: EchoConfig):
+                              config: EchoConfig, factor=None):
     """Compensated all-reduce (Algorithm 1) fused into the custom call.
 
     The apply step x' = x + eta (a m1 + (1 - a) m2) runs in the call's entry pass and the state
@@ -409,7 +428,8 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
       x_flat32: [n] contribution before correction, float32, bfloat16 or float16 (passed to the
         call as it is).
       m1_flat, m2_flat: fp32 [n], the flattened CompensatorState.
-      axis, num_ranks, config: as `p2p_allreduce`.
+      axis, num_ranks, config, factor: as `p2p_allreduce`; the factor multiplies x' (after the
+        apply step) and divides the sum before the update, so the state stays in x's units.
 
     Returns:
       (y [n] in x's dtype, identical on every rank, m1_new fp32 [n], m2_new fp32 [n]); the state
@@ -423,10 +443,10 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
                              "bfloat16 state unfused")
     k = comp.Coefficients.from_config(config)
     if _resolve(where, axis, config, x_flat32, num_ranks) is not None:
-        from echo_jax.collective import xla_allreduce
+        from echo_jax.collective import xla_allreduce_scaled
         state = comp.CompensatorState(m1_flat, m2_flat)
         x_prime = comp.apply_correction(x_flat32.astype(jnp.float32), state, k)
-        y = xla_allreduce(x_prime, axis, num_ranks, config)
+        y = xla_allreduce_scaled(x_prime, axis, num_ranks, config, factor)
         new = comp.update_state(x_prime, y, num_ranks, state, k)
         return y.astype(x_flat32.dtype), new.m1, new.m2
     # ffi_call results are typed invariant; type them as the xla transport's are.
@@ -435,7 +455,7 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     if _on_gpu():
         from echo_jax import p2p_cuda
         y, new = p2p_cuda.rank_allreduce(x_flat32, axis, num_ranks, config,
-                                         comp.CompensatorState(m1_flat, m2_flat))
+                                         comp.CompensatorState(m1_flat, m2_flat), factor=factor)
         return (_compat.to_varying(y, varying - {axis}), _compat.to_varying(new.m1, varying),
                 _compat.to_varying(new.m2, varying))
     attrs = _check_call(where, x_flat32, axis, num_ranks, config,
@@ -447,7 +467,8 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     call = jax.ffi.ffi_call(TARGET_COMPENSATED, (y_type, m_type, m_type), vmap_method="sequential",
                             input_output_aliases={1: 1, 2: 2})
     f32 = np.float32
-    y, m1, m2 = call(x_flat32, m1_flat, m2_flat, _coords(axis), **attrs,
+    coords = _coords(axis)
+    y, m1, m2 = call(x_flat32, m1_flat, m2_flat, coords, factor_operand(factor, coords), **attrs,
                      ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2),
                      c2=f32(k.c2), inv_ranks=f32(1.0 / int(num_ranks)))
     return (_compat.to_varying(y, varying - {axis}), _compat.to_varying(m1, varying),

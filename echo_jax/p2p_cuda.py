@@ -116,12 +116,21 @@ def dequantize(packed, params, config: EchoConfig):
         group_size=np.int64(g), policy=np.int64(POLICY_CODES[config.policy]))
 
 
+def _factor(factor):
+    """The factor operand, f32[1]: the rescaling's power of two, 1 when None."""
+    if factor is None:
+        return jnp.ones((1,), jnp.float32)
+    return jnp.reshape(jnp.asarray(factor, jnp.float32), (1,))
+
+
 def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None = None,
-                      absent_rank: int = -1):
+                      absent_rank: int = -1, factor=None):
     """P virtual ranks on one GPU: x [P, ...] -> y [P, ...] (and the new state [P, ...]).
 
     Same bits as `jax.vmap(echo_psum, axis_name=...)` with transport "xla". `absent_rank` (tests
     only) leaves one rank out, so the others must time out; the group is unusable afterwards.
+    `factor`: None, or the rescaling's shared power of two (every rank's; see
+    `echo_jax.collective.rescale_factor`), applied inside the kernels.
     """
     register()
     num_ranks = x.shape[0]
@@ -130,14 +139,15 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
     y_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
     if state is None:
         y = jax.ffi.ffi_call("echo_allreduce_virtual_cuda", y_type)(
-            flat, absent_rank=np.int64(absent_rank), **_attrs(config, num_ranks, False))
+            flat, _factor(factor), absent_rank=np.int64(absent_rank),
+            **_attrs(config, num_ranks, False))
         return y.reshape(x.shape)
     _check_state_f32(state, "virtual_allreduce")
     m_type = jax.ShapeDtypeStruct(flat.shape, jnp.float32)
     y, m1, m2 = jax.ffi.ffi_call(
         "echo_allreduce_virtual_comp_cuda", (y_type, m_type, m_type),
         input_output_aliases={1: 1, 2: 2})(
-        flat, state.m1.reshape(flat.shape), state.m2.reshape(flat.shape),
+        flat, state.m1.reshape(flat.shape), state.m2.reshape(flat.shape), _factor(factor),
         **_attrs(config, num_ranks, True))
     return y.reshape(x.shape), comp.CompensatorState(m1.reshape(x.shape), m2.reshape(x.shape))
 
@@ -168,8 +178,9 @@ def mesh_groups(axis, num_ranks: int) -> np.ndarray | None:
     return ordinals.astype(np.int64)
 
 
-def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None):
-    """One rank's Echo all-reduce on its GPU, inside shard_map (under `jax.set_mesh`)."""
+def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None, factor=None):
+    """One rank's Echo all-reduce on its GPU, inside shard_map (under `jax.set_mesh`); `factor`
+    as in `virtual_allreduce` (the same on every rank: it comes from a pmax)."""
     register()
     _check(config, num_ranks, "rank_allreduce")
     groups = mesh_groups(axis, num_ranks)
@@ -180,11 +191,14 @@ def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None):
     attrs["groups"] = groups.reshape(-1)
     y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
     if state is None:
-        return jax.ffi.ffi_call("echo_allreduce_cuda", y_type)(x, **attrs)
+        f = _compat.to_varying(_factor(factor), _compat.varying_axes(x))
+        return jax.ffi.ffi_call("echo_allreduce_cuda", y_type)(x, f, **attrs)
     _check_state_f32(state, "rank_allreduce")
     m_type = jax.ShapeDtypeStruct(x.shape, jnp.float32)
     y, m1, m2 = jax.ffi.ffi_call("echo_allreduce_comp_cuda", (y_type, m_type, m_type),
-                                 input_output_aliases={1: 1, 2: 2})(x, state.m1, state.m2, **attrs)
+                                 input_output_aliases={1: 1, 2: 2})(
+        x, state.m1, state.m2, _compat.to_varying(_factor(factor), _compat.varying_axes(x)),
+        **attrs)
     return y, comp.CompensatorState(m1, m2)
 
 

@@ -25,6 +25,11 @@
 // xla_allreduce(x.astype(f32)).astype(dtype). The compensated call's state m1, m2 is fp32 and is
 // updated with the fp32 sum, before its rounding.
 //
+// Rescaling (the Echo paper Sec. 5.4): the factor operand, a power of two shared by the ranks,
+// multiplies x' (after the apply step) where it is loaded and divides the fp32 sum before it is
+// stored and before the state update, so y and m1, m2 stay in x's units; both products are exact
+// and a factor of 1 leaves every bit as it was (echo_jax.collective.xla_allreduce_scaled).
+//
 // Flags, epochs and slot reuse
 // ----------------------------
 // Every rank has one monotone readiness flag (an int64 on its own cache line). A rank's k-th call
@@ -95,6 +100,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cfenv>
 #include <condition_variable>
 #include <cstdint>
@@ -752,6 +758,8 @@ struct RankIO {
   void* y;           // cfg.dtype, like x
   float* m1_out;     // may alias m1 (input_output_aliases)
   float* m2_out;
+  float factor;      // the shared power of two of the rescaling (Sec. 5.4); 1 when not rescaled
+  float inv_factor;  // 1 / factor (exact: a power of two)
 };
 
 // Element k of x in fp32 (exact for each of the three dtypes: the x.astype(f32) of the reference).
@@ -781,11 +789,13 @@ inline void StoreY(const CallConfig& cfg, const RankIO& io, int64_t k, float v) 
   }
 }
 
-// x' of element k of the padded layout: x + c (fused apply step) and 0 in the padding.
+// x' * factor of element k of the padded layout: x + c (fused apply step) in the original
+// units, then the rescaling (the compensator runs outside it, Sec. 5.4); 0 in the padding.
 inline float LoadContribution(const CallConfig& cfg, const RankIO& io, int64_t k) {
   if (k >= cfg.n) return 0.0f;
   const float x = LoadX(cfg, io, k);
-  return cfg.compensated ? echo::comp_apply(x, io.m1[k], io.m2[k], cfg.k) : x;
+  const float xp = cfg.compensated ? echo::comp_apply(x, io.m1[k], io.m2[k], cfg.k) : x;
+  return echo::mul_rn(xp, io.factor);
 }
 
 inline uint16_t* SlotParams(uint8_t* slot) { return reinterpret_cast<uint16_t*>(slot); }
@@ -824,7 +834,9 @@ void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t
     const uint8_t* gc = codes + gi * cfg.code_bytes;
     for (int t = 0; t < count; ++t) {
       const int64_t k = k0 + t;
-      const float y = echo::decode_value(echo::unpack_code(gc, t, cfg.bits), d);
+      // Back to the original units first: y and the state update never see the factor.
+      const float y =
+          echo::mul_rn(echo::decode_value(echo::unpack_code(gc, t, cfg.bits), d), io.inv_factor);
       StoreY(cfg, io, k, y);
       if (cfg.compensated) {
         const float m1 = io.m1[k];  // read before writing: m1_out may alias m1
@@ -1154,8 +1166,25 @@ Error_Type DebugFailValidation(const CallConfig& cfg, const Coords& c) {
   return Error_Type::Success();
 }
 
+// The rescaling factor operand: f32[1], a positive normal power of two (the Echo paper Sec. 5.4,
+// chosen by echo_jax.collective.rescale_factor; 1 when the call is not rescaled).
+ffi::ErrorOr<float> ReadFactor(F32Buffer_Type factor) {
+  if (factor.element_count() != 1)
+    return InvalidArgument(kWhere, "the factor operand must be f32[1], got ",
+                           factor.element_count(), " elements");
+  const float f = factor.typed_data()[0];
+  int e = 0;
+  const bool power_of_two = std::isfinite(f) && f > 0.0f && std::frexp(f, &e) == 0.5f &&
+                            std::fpclassify(f) == FP_NORMAL &&
+                            std::fpclassify(1.0f / f) == FP_NORMAL;
+  if (!power_of_two)
+    return InvalidArgument(kWhere, "the factor operand must be a normal power of two (so that "
+                           "scaling is exact), got ", f);
+  return f;
+}
+
 ffi::ErrorOr<Job> PrepareAllReduce(int32_t device_ordinal, ffi::RunId run_id, Buffer_Type x,
-                                   S32Buffer_Type coords, Result_Type y,
+                                   S32Buffer_Type coords, F32Buffer_Type factor, Result_Type y,
                                    const Dictionary_Type& attrs) {
   ECHO_FFI_RETURN_IF_ERROR(CheckContribution(x, y));
   const int64_t n = static_cast<int64_t>(x.element_count());
@@ -1163,15 +1192,17 @@ ffi::ErrorOr<Job> PrepareAllReduce(int32_t device_ordinal, ffi::RunId run_id, Bu
                             ParseConfig(attrs, n, x.element_type(), /*compensated=*/false));
   ECHO_FFI_ASSIGN_OR_RETURN(Coords c, ReadCoords(coords, device_ordinal, run_id, cfg.num_ranks));
   ECHO_FFI_RETURN_IF_ERROR(DebugFailValidation(cfg, c));
+  ECHO_FFI_ASSIGN_OR_RETURN(float f, ReadFactor(factor));
   return Job{cfg, c,
-             RankIO{x.untyped_data(), nullptr, nullptr, y->untyped_data(), nullptr, nullptr}};
+             RankIO{x.untyped_data(), nullptr, nullptr, y->untyped_data(), nullptr, nullptr, f,
+                    1.0f / f}};
 }
 
 ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId run_id,
                                               Buffer_Type x, F32Buffer_Type m1,
                                               F32Buffer_Type m2, S32Buffer_Type coords,
-                                              Result_Type y, F32Result_Type m1_out,
-                                              F32Result_Type m2_out,
+                                              F32Buffer_Type factor, Result_Type y,
+                                              F32Result_Type m1_out, F32Result_Type m2_out,
                                               const Dictionary_Type& attrs) {
   ECHO_FFI_RETURN_IF_ERROR(CheckContribution(x, y));
   const int64_t n = static_cast<int64_t>(x.element_count());
@@ -1186,9 +1217,10 @@ ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId
                             ParseConfig(attrs, n, x.element_type(), /*compensated=*/true));
   ECHO_FFI_ASSIGN_OR_RETURN(Coords c, ReadCoords(coords, device_ordinal, run_id, cfg.num_ranks));
   ECHO_FFI_RETURN_IF_ERROR(DebugFailValidation(cfg, c));
+  ECHO_FFI_ASSIGN_OR_RETURN(float f, ReadFactor(factor));
   return Job{cfg, c,
              RankIO{x.untyped_data(), m1.typed_data(), m2.typed_data(), y->untyped_data(),
-                    m1_out->typed_data(), m2_out->typed_data()}};
+                    m1_out->typed_data(), m2_out->typed_data(), f, 1.0f / f}};
 }
 
 // -------------------------------------------------------------------------------------------
@@ -1196,8 +1228,9 @@ ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId
 // -------------------------------------------------------------------------------------------
 
 ffi::Future EchoAllReduceCpuImpl(int32_t device_ordinal, ffi::RunId run_id, Buffer_Type x,
-                                 S32Buffer_Type coords, Result_Type y, Dictionary_Type attrs) {
-  ffi::ErrorOr<Job> job = PrepareAllReduce(device_ordinal, run_id, x, coords, y, attrs);
+                                 S32Buffer_Type coords, F32Buffer_Type factor, Result_Type y,
+                                 Dictionary_Type attrs) {
+  ffi::ErrorOr<Job> job = PrepareAllReduce(device_ordinal, run_id, x, coords, factor, y, attrs);
   std::optional<FailureAddress> address;
   if (job.has_error()) address = AddressOf(device_ordinal, run_id, coords, attrs);
   return Launch(std::move(job), address);
@@ -1206,10 +1239,11 @@ ffi::Future EchoAllReduceCpuImpl(int32_t device_ordinal, ffi::RunId run_id, Buff
 ffi::Future EchoAllReduceCompensatedCpuImpl(int32_t device_ordinal, ffi::RunId run_id,
                                             Buffer_Type x, F32Buffer_Type m1,
                                             F32Buffer_Type m2, S32Buffer_Type coords,
-                                            Result_Type y, F32Result_Type m1_out,
-                                            F32Result_Type m2_out, Dictionary_Type attrs) {
+                                            F32Buffer_Type factor, Result_Type y,
+                                            F32Result_Type m1_out, F32Result_Type m2_out,
+                                            Dictionary_Type attrs) {
   ffi::ErrorOr<Job> job = PrepareAllReduceCompensated(device_ordinal, run_id, x, m1, m2, coords,
-                                                      y, m1_out, m2_out, attrs);
+                                                      factor, y, m1_out, m2_out, attrs);
   std::optional<FailureAddress> address;
   if (job.has_error()) address = AddressOf(device_ordinal, run_id, coords, attrs);
   return Launch(std::move(job), address);
@@ -1236,6 +1270,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::RunId>()                  // this execution, shared by all its devices
         .Arg<echo_jax::Buffer_Type>()            // x: [n] f32/bf16/f16, this rank's contribution
         .Arg<echo_jax::S32Buffer_Type>()         // coords: int32 [2] = (rank, group id)
+        .Arg<echo_jax::F32Buffer_Type>()         // factor: f32 [1], power of two (1: no rescale)
         .Ret<echo_jax::Buffer_Type>()            // y: [n] x's dtype, the sum, same on every rank
         .Attrs());  // num_ranks, bits, group_size, policy, segment_groups, site, timeout_ms,
                     // debug_absent_rank, debug_failing_rank, debug_failing_stage,
@@ -1251,6 +1286,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<echo_jax::F32Buffer_Type>()         // m1: fp32 [n], slow average (aliased to m1_out)
         .Arg<echo_jax::F32Buffer_Type>()         // m2: fp32 [n], fast average (aliased to m2_out)
         .Arg<echo_jax::S32Buffer_Type>()         // coords: int32 [2] = (rank, group id)
+        .Arg<echo_jax::F32Buffer_Type>()         // factor: f32 [1], applied after x + c
         .Ret<echo_jax::Buffer_Type>()            // y: [n] x's dtype, QAR(x + c), same on all ranks
         .Ret<echo_jax::F32Buffer_Type>()         // m1_out: fp32 [n], updated slow average
         .Ret<echo_jax::F32Buffer_Type>()         // m2_out: fp32 [n], updated fast average

@@ -12,6 +12,8 @@
 // The compensator (Algorithm 1) is fused: the entry loads apply x' = x + c in registers (x' never
 // goes to memory) and the update of m1/m2 runs where y is produced (reduce for the own segment,
 // tail for the others), overlapped with the transfers of the other tiles, in place.
+// The rescaling's factor (Sec. 5.4; an f32[1] operand, 1 when not rescaled) multiplies x' in the
+// entry loads and divides y before its store and the state update (exact powers of two).
 //
 // Readiness crosses GPUs through flags in the receiver's memory: monotonic 64-bit words raised to
 // a per-call base that the host increases by 3 per call (push = base, gather = base + 2; the
@@ -68,6 +70,7 @@ struct KernelArgs {
   void* y;            // this rank's output [n] (T)
   float* m1;          // compensator state [n] or nullptr
   float* m2;
+  const float* factor;  // device f32[1]: the rescaling's power of two (1: not rescaled)
   int64_t n;
   int64_t seg_groups;  // Gs: groups per segment
   int me, P, g, bits, policy;
@@ -125,8 +128,27 @@ __device__ bool wait_flag(const KernelArgs& a, const uint64_t* f, uint64_t want,
   return true;
 }
 
+// The rescaling's factor (the Echo paper Sec. 5.4) and its inverse; both powers of two, so the
+// products with them are exact (x * 1 = x: an unscaled call keeps its bits). Thread 0 of each
+// block reads the operand and takes the reciprocal once (set_scaling); the stages read these two
+// shared words. Measured on the H200: reading the operand and taking a correctly rounded
+// reciprocal per 16-byte piece made p2p4 at 256 MB about 9 % slower (the kernel is
+// instruction-bound).
+__shared__ float scaling_shared[2];
+
+__device__ __forceinline__ void set_scaling(const KernelArgs& a) {
+  if (threadIdx.x == 0) {
+    const float f = __ldg(a.factor);
+    scaling_shared[0] = f;
+    scaling_shared[1] = __frcp_rn(f);
+  }
+}
+__device__ __forceinline__ float scale_of(const KernelArgs&) { return scaling_shared[0]; }
+__device__ __forceinline__ float unscale_of(const KernelArgs&) { return scaling_shared[1]; }
+
 // Loads VEC contribution values at element i, with the compensator's apply step (Eq. 10) in
 // registers when COMP; the padding beyond n is 0 (not compensated, as in the reference).
+
 template <typename T, int VEC, bool COMP>
 __device__ __forceinline__ void load_contrib(const KernelArgs& a, int64_t i, float* v) {
   load_vec<T, VEC>(static_cast<const T*>(a.x), i, a.n, v, a.aligned);
@@ -138,11 +160,19 @@ __device__ __forceinline__ void load_contrib(const KernelArgs& a, int64_t i, flo
     for (int k = 0; k < VEC; ++k)
       if (i + k < a.n) v[k] = comp_apply(v[k], m1[k], m2[k], a.k);
   }
+  const float f = scale_of(a);  // after the apply step: the compensator runs outside the scaling
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) v[k] = mul_rn(v[k], f);
 }
 
 // Stores the output and, when COMP, updates m1/m2 in place (Eq. 4 and 11) from y in fp32.
 template <typename T, int VEC, bool COMP>
-__device__ __forceinline__ void store_output(const KernelArgs& a, int64_t i, const float* y) {
+__device__ __forceinline__ void store_output(const KernelArgs& a, int64_t i,
+                                             const float* y_scaled) {
+  float y[VEC];  // back in x's units before the output and the update
+  const float inv = unscale_of(a);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) y[k] = mul_rn(y_scaled[k], inv);
   store_vec<T, VEC>(static_cast<T*>(a.y), i, a.n, y, a.aligned);
   if constexpr (COMP) {
     // x' is recomputed from x, m1, m2 (each read once here) rather than kept from the push
@@ -405,11 +435,18 @@ struct FastStages {
       for (int t = 0; t < kVec; ++t)
         if (e + t < a.n) v[t] = comp_apply(v[t], m1[t], m2[t], a.k);
     }
+    const float f = scale_of(a);  // the rescaling, after the apply step (Sec. 5.4)
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) v[t] = mul_rn(v[t], f);
   }
 
   // Stores y (rounded to T) and, when COMP, updates m1 / m2 in place (Eq. 4 and 11) from the
   // fp32 y, with x' recomputed from x, m1, m2 as in load_contrib.
-  __device__ static void store_output(const KernelArgs& a, int64_t e, const float* y) {
+  __device__ static void store_output(const KernelArgs& a, int64_t e, const float* y_scaled) {
+    float y[kVec];  // back in x's units before the output and the update
+    const float inv = unscale_of(a);
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) y[t] = mul_rn(y_scaled[t], inv);
     T* out = static_cast<T*>(a.y);
     if (e + kVec <= a.n) {
       *reinterpret_cast<uint4*>(out + e) = fast::pack_values<T>(y);
@@ -611,6 +648,7 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
   const int others = a.P - 1;
   const int ct = a.chunk_tiles;
   if (threadIdx.x == 0) give_up = 0;
+  set_scaling(a);
   __syncthreads();
 
   // Tile t of the chunk covers segment groups [(tile0 + t) * TG, ...) clipped to Gs.
@@ -802,6 +840,7 @@ struct CallAttrs {
   int bits, g, policy, P;
   int64_t timeout_ms;
   CompCoeffs k;
+  const float* factor;  // device f32[1], the rescaling's power of two
 };
 
 LaunchPlan make_plan(const Group& grp, const CallAttrs& at, int64_t seg_groups, int resident) {
@@ -843,7 +882,7 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
     pl = it->second;
   }
   KernelArgs a{};
-  a.x = x; a.y = y; a.m1 = m1; a.m2 = m2; a.n = n;
+  a.x = x; a.y = y; a.m1 = m1; a.m2 = m2; a.factor = at.factor; a.n = n;
   a.seg_groups = seg_groups;
   a.me = rank; a.P = at.P; a.g = at.g; a.bits = at.bits; a.policy = at.policy;
   a.tile_groups = pl.tile_groups;
@@ -923,6 +962,9 @@ ffi::Error check_attrs(const CallAttrs& at) {
   if (at.policy < 0 || at.policy > 2)
     return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): bad policy code " +
                                        std::to_string(at.policy));
+  if (at.factor == nullptr)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): the factor operand must be f32[1] "
+                                       "(the rescaling's power of two; 1 when not rescaled)");
   if (at.P < 1 || at.P > kMaxCudaRanks)
     return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): num_ranks must be in [1, " +
                                        std::to_string(kMaxCudaRanks) + "], got " +
@@ -1104,11 +1146,13 @@ ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
-CallAttrs make_attrs(int64_t bits, int64_t g, int64_t policy, int64_t P, int64_t timeout_ms,
-                     float ea, float eb, float b1, float c1, float b2, float c2, float inv_p) {
+CallAttrs make_attrs(ffi::Buffer<ffi::F32> factor, int64_t bits, int64_t g, int64_t policy,
+                     int64_t P, int64_t timeout_ms, float ea, float eb, float b1, float c1,
+                     float b2, float c2, float inv_p) {
   return CallAttrs{static_cast<int>(bits), static_cast<int>(g), static_cast<int>(policy),
                    static_cast<int>(P), std::max<int64_t>(1, timeout_ms),
-                   CompCoeffs{ea, eb, b1, c1, b2, c2, inv_p}};
+                   CompCoeffs{ea, eb, b1, c1, b2, c2, inv_p},
+                   factor.element_count() == 1 ? factor.typed_data() : nullptr};
 }
 
 }  // namespace
@@ -1121,11 +1165,12 @@ using echo::cuda::make_attrs;
 // ---- handler bindings -------------------------------------------------------------------------
 
 static ffi::Error EchoAllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x,
-                                   ffi::Result<ffi::AnyBuffer> y, int64_t bits, int64_t group_size,
-                                   int64_t policy, int64_t num_ranks, int64_t timeout_ms,
+                                   ffi::Buffer<ffi::F32> factor, ffi::Result<ffi::AnyBuffer> y,
+                                   int64_t bits, int64_t group_size, int64_t policy,
+                                   int64_t num_ranks, int64_t timeout_ms,
                                    ffi::Span<const int64_t> groups) {
-  const CallAttrs at = make_attrs(bits, group_size, policy, num_ranks, timeout_ms, 0, 0, 0, 0, 0, 0,
-                                  1.0f / static_cast<float>(num_ranks));
+  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, 0, 0, 0,
+                                  0, 0, 0, 1.0f / static_cast<float>(num_ranks));
   return echo::cuda::RankImpl(stream, x, std::nullopt, std::nullopt, y, nullptr, nullptr,
                               at, groups);
 }
@@ -1135,6 +1180,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream of this device
         .Arg<ffi::AnyBuffer>()                     // x: this rank's contribution, f32/bf16/f16
+        .Arg<ffi::Buffer<ffi::F32>>()              // factor: f32[1], power of two (1: none)
         .Ret<ffi::AnyBuffer>()                     // y: the sum, same dtype and shape
         .Attr<int64_t>("bits")                     // 4 or 8
         .Attr<int64_t>("group_size")               // g
@@ -1145,6 +1191,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 static ffi::Error EchoAllReduceCompCuda(cudaStream_t stream, ffi::AnyBuffer x,
                                         ffi::Buffer<ffi::F32> m1, ffi::Buffer<ffi::F32> m2,
+                                        ffi::Buffer<ffi::F32> factor,
                                         ffi::Result<ffi::AnyBuffer> y,
                                         ffi::ResultBuffer<ffi::F32> m1_out,
                                         ffi::ResultBuffer<ffi::F32> m2_out, int64_t bits,
@@ -1152,8 +1199,8 @@ static ffi::Error EchoAllReduceCompCuda(cudaStream_t stream, ffi::AnyBuffer x,
                                         int64_t timeout_ms, ffi::Span<const int64_t> groups,
                                         float ea, float eb, float b1, float c1, float b2, float c2,
                                         float inv_p) {
-  const CallAttrs at =
-      make_attrs(bits, group_size, policy, num_ranks, timeout_ms, ea, eb, b1, c1, b2, c2, inv_p);
+  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, ea, eb,
+                                  b1, c1, b2, c2, inv_p);
   return echo::cuda::RankImpl(stream, x, m1, m2, y, m1_out->typed_data(),
                               m2_out->typed_data(), at, groups);
 }
@@ -1165,6 +1212,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // x: contribution before compensation
         .Arg<ffi::Buffer<ffi::F32>>()              // m1: slow average (aliased to m1_out)
         .Arg<ffi::Buffer<ffi::F32>>()              // m2: fast average (aliased to m2_out)
+        .Arg<ffi::Buffer<ffi::F32>>()              // factor: f32[1], applied after x + c
         .Ret<ffi::AnyBuffer>()                     // y: the sum of the compensated x'
         .Ret<ffi::Buffer<ffi::F32>>()              // m1_out: updated in place
         .Ret<ffi::Buffer<ffi::F32>>()              // m2_out: updated in place
@@ -1183,11 +1231,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("inv_p"));  // f32(1 / P)
 
 static ffi::Error EchoAllReduceVirtualCuda(cudaStream_t stream, ffi::AnyBuffer x,
+                                           ffi::Buffer<ffi::F32> factor,
                                            ffi::Result<ffi::AnyBuffer> y, int64_t bits,
                                            int64_t group_size, int64_t policy, int64_t num_ranks,
                                            int64_t timeout_ms, int64_t absent_rank) {
-  const CallAttrs at = make_attrs(bits, group_size, policy, num_ranks, timeout_ms, 0, 0, 0, 0, 0, 0,
-                                  1.0f / static_cast<float>(num_ranks));
+  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, 0, 0, 0,
+                                  0, 0, 0, 1.0f / static_cast<float>(num_ranks));
   return echo::cuda::VirtualImpl(stream, x, std::nullopt, std::nullopt, y, nullptr, nullptr,
                                  at, static_cast<int>(absent_rank));
 }
@@ -1197,6 +1246,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: forks to P rank streams
         .Arg<ffi::AnyBuffer>()                     // x: [P, n], row r is rank r's contribution
+        .Arg<ffi::Buffer<ffi::F32>>()              // factor: f32[1], shared by the P ranks
         .Ret<ffi::AnyBuffer>()                     // y: [P, n], every row the same sum
         .Attr<int64_t>("bits")
         .Attr<int64_t>("group_size")
@@ -1207,12 +1257,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 static ffi::Error EchoAllReduceVirtualCompCuda(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> m1,
-    ffi::Buffer<ffi::F32> m2, ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::F32> m1_out,
+    ffi::Buffer<ffi::F32> m2, ffi::Buffer<ffi::F32> factor, ffi::Result<ffi::AnyBuffer> y,
+    ffi::ResultBuffer<ffi::F32> m1_out,
     ffi::ResultBuffer<ffi::F32> m2_out, int64_t bits, int64_t group_size, int64_t policy,
     int64_t num_ranks, int64_t timeout_ms, float ea, float eb, float b1, float c1, float b2,
     float c2, float inv_p) {
-  const CallAttrs at =
-      make_attrs(bits, group_size, policy, num_ranks, timeout_ms, ea, eb, b1, c1, b2, c2, inv_p);
+  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, ea, eb,
+                                  b1, c1, b2, c2, inv_p);
   return echo::cuda::VirtualImpl(stream, x, m1, m2, y, m1_out->typed_data(),
                                  m2_out->typed_data(), at, -1);
 }
@@ -1224,6 +1275,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // x: [P, n]
         .Arg<ffi::Buffer<ffi::F32>>()              // m1: [P, n] (aliased to m1_out)
         .Arg<ffi::Buffer<ffi::F32>>()              // m2: [P, n] (aliased to m2_out)
+        .Arg<ffi::Buffer<ffi::F32>>()              // factor: f32[1], shared by the P ranks
         .Ret<ffi::AnyBuffer>()                     // y: [P, n]
         .Ret<ffi::Buffer<ffi::F32>>()              // m1_out
         .Ret<ffi::Buffer<ffi::F32>>()              // m2_out

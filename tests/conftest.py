@@ -54,14 +54,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def reference_allreduce(x, cfg, state=None):
+def reference_allreduce(x, cfg, state=None, rescale=False):
     """The "xla" transport over P simulated ranks (vmap over the leading axis of x): the
-    reference of the CUDA custom call's virtual ranks, bit for bit."""
+    reference of the CUDA custom call's virtual ranks, bit for bit (`rescale` as echo_psum's;
+    False by default, as a virtual call without a factor)."""
     import echo_jax as ej
     cfg = cfg.replace(transport="xla")
     if state is None:
-        return jax.jit(jax.vmap(lambda v: ej.echo_psum(v, "tp", config=cfg), axis_name="tp"))(x)
-    return jax.jit(jax.vmap(lambda v, s: ej.echo_psum(v, "tp", config=cfg, state=s),
+        return jax.jit(jax.vmap(lambda v: ej.echo_psum(v, "tp", config=cfg, rescale=rescale),
+                                axis_name="tp"))(x)
+    return jax.jit(jax.vmap(lambda v, s: ej.echo_psum(v, "tp", config=cfg, state=s,
+                                                      rescale=rescale),
                             axis_name="tp"))(x, state)
 
 

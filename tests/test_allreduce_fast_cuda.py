@@ -89,3 +89,39 @@ def test_aligned_and_unaligned_rows(cuda, n):
     xb = x.astype(jnp.bfloat16)
     same_bits(jax.jit(lambda v: cuda.virtual_allreduce(v, cfg))(xb), reference(xb, cfg),
               f"bf16 n={n}")
+
+
+def numpy_factor(x):
+    """The rescaling's power of two from the data (the Echo paper Sec. 5.4), in NumPy: 2^(9 - e)
+    with max |x| = m * 2^e, m in [0.5, 1), so that the max lands in [256, 512)."""
+    amax = float(np.max(np.abs(np.asarray(x, np.float64))))
+    _, e = np.frexp(amax)
+    return np.float32(2.0 ** int(np.clip(9 - e, -120, 120)))
+
+
+@pytest.mark.parametrize("n", [4096 + 8, 4099])  # aligned rows (fast stages) and not (generic)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_factor_operand_matches_rescaled_reference(cuda, n, dtype, bits):
+    # The factor operand (the rescaling, Sec. 5.4) inside the kernels equals the xla transport's
+    # x * f -> all-reduce -> * (1 / f) bit for bit, plain and compensated (apply before the
+    # factor, update after it), at magnitudes where an unscaled call underflows or overflows.
+    cfg = ej.EchoConfig(bits=bits)
+    base = jax.random.normal(jax.random.key(n + bits), (4, n), jnp.float32)
+    state = ej.CompensatorState(0.01 * jax.random.normal(jax.random.key(1), base.shape),
+                                -0.02 * jax.random.normal(jax.random.key(2), base.shape))
+    for magnitude in (2.0 ** -100, 1e-9, 1.0, 1e7):
+        x = (base * magnitude).astype(dtype)
+        f = numpy_factor(x)
+        what = f"{jnp.dtype(dtype).name} n={n} bits={bits} |x|~{magnitude:g} factor={f}"
+        y = jax.jit(lambda v: cuda.virtual_allreduce(v, cfg, factor=f))(x)
+        same_bits(y, reference(x, cfg, rescale=True), what)
+        st = ej.CompensatorState(state.m1 * magnitude, state.m2 * magnitude)
+        y, new = jax.jit(lambda v, s: cuda.virtual_allreduce(v, cfg, s, factor=f))(x, st)
+        ry, rnew = reference(x, cfg, st, rescale=True)
+        same_bits(y, ry, what + " compensated y")
+        same_bits(new.m1, rnew.m1, what + " compensated m1")
+        same_bits(new.m2, rnew.m2, what + " compensated m2")
+        exact = np.asarray(x, np.float64).sum(0)
+        rel = np.linalg.norm(np.asarray(y, np.float64)[0] - exact) / np.linalg.norm(exact)
+        assert rel < (0.2 if bits == 4 else 0.02), (what, rel)  # nothing lost to the fp16 range

@@ -94,6 +94,8 @@ def test_allreduce_all_rows_json_and_png(tmp_path, capsys):
     if "p2p4-comp-fused" in rows:
         # Both transports and both compensator placements give the same bits.
         assert rows["p2p4"]["max_abs_err"] == rows["xla4"]["max_abs_err"]
+        # max |x| of normal data is above AUTO_RESCALE_BELOW: the default's factor is 1.
+        assert rows["p2p4-rescale"]["max_abs_err"] == rows["p2p4"]["max_abs_err"]
         assert rows["p2p4-comp-unfused"]["max_abs_err"] == rows["p2p4"]["max_abs_err"]
         assert rows["p2p4-comp-fused"]["bit_identical_to_unfused"] is True
     assert result["gate"]["row"] in bench.GATE_ROWS
@@ -259,3 +261,5 @@ def test_byte_floor_against_hand_counted_bytes():
     # The fused compensator adds m1, m2 read (8), x, m1, m2 read again (4 + 8), m1, m2 written (8).
     assert bench.byte_floor("p2p4-comp-fused", n, 4, 4) == round((per_value + 28) * n * 4)
     assert bench.byte_floor("psum", n, 4, 4) == 2 * 4 * n * 4
+    # The rescaled row reads x once more for its max.
+    assert bench.byte_floor("p2p4-rescale", n, 4, 4) == round((per_value + 4) * n * 4)

@@ -220,13 +220,19 @@ def test_hlo_of_the_custom_call_has_no_collective_of_x():
     if p2p.unavailable_reason() is not None and "shard_map" not in p2p.unavailable_reason():
         pytest.skip(p2p.unavailable_reason())
     mesh = make_mesh((4,), ("tp",))
-    f = jax.jit(jax.shard_map(functools.partial(ej.echo_psum, axis_name="tp",
-                                                config=ej.EchoConfig(transport="p2p")),
-                              mesh=mesh, in_specs=P("tp"), out_specs=P()))
-    hlo = f.lower(put(jnp.ones((4, 4096)), mesh, P("tp"))).compile().as_text()
-    assert "custom-call" in hlo and "echo_jax_allreduce" in hlo
-    for op in ("all-reduce(", "all-to-all(", "all-gather("):
-        assert op not in hlo
+    for rescale in (False, "auto"):
+        f = jax.jit(jax.shard_map(functools.partial(ej.echo_psum, axis_name="tp",
+                                                    config=ej.EchoConfig(transport="p2p"),
+                                                    rescale=rescale),
+                                  mesh=mesh, in_specs=P("tp"), out_specs=P()))
+        hlo = f.lower(put(jnp.ones((4, 4096)), mesh, P("tp"))).compile().as_text()
+        assert "custom-call" in hlo and "echo_jax_allreduce" in hlo
+        for op in ("all-to-all(", "all-gather("):
+            assert op not in hlo
+        # The default's rescaling factor: one scalar pmax, never a collective of x.
+        reduces = [ln for ln in hlo.splitlines() if "all-reduce(" in ln]
+        assert len(reduces) == (0 if rescale is False else 1), reduces
+        assert all("f32[] " in ln for ln in reduces), reduces
 
 
 def test_jit_grad_scan_remat():

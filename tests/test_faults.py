@@ -232,3 +232,104 @@ def test_failing_rank_poisons_its_group(monkeypatch, stage, compensated):
     fresh = _p2p_program(mesh, nranks, compensated)
     np.testing.assert_array_equal(np.asarray(fresh(x)), want)
     assert p2p.registry_stats()["pending_joins"] == 0
+
+
+# ---------------------------------------------------------------------------- underflow (item 4)
+
+def _psum_each(x, transport, rescale, compensated, dtype=jnp.float32, **kw):
+    """echo_psum over 4 ranks of x [4, n]: (every rank's sum [4, n], m1 [4, n] or None)."""
+    cfg = ej.EchoConfig(transport=transport)
+    extra = {} if rescale is None else {"rescale": rescale}
+    if compensated:
+        def body(v):
+            y, s = ej.echo_psum(v[0], "tp", config=cfg, state=ej.init_state(v[0]), **extra)
+            return y[None], s.m1[None]
+        y, m1 = shard_map_call(body, out_specs=(P("tp"), P("tp")))(x.astype(dtype))
+        return np.asarray(y), np.asarray(m1)
+    y = shard_map_call(lambda v: ej.echo_psum(v[0], "tp", config=cfg, **extra)[None],
+                       out_specs=P("tp"))(x.astype(dtype))
+    return np.asarray(y), None
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("compensated", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_default_loses_nothing_to_the_fp16_scale_range(transport, compensated, dtype):
+    # Before: rescale=False was the default, and N(0, sigma^2) contributions lost everything at
+    # sigma = 1e-30 (exact zeros) and most at 1e-8 (relative error ~1), silently. The default
+    # ("auto") now scales up below max |x| = 2^-6: the sum of x * 2^k is the sum of x times 2^k,
+    # bit for bit, from 2^-100 up, and the relative error against a float64 sum stays the 4-bit
+    # one at any small magnitude (the p2p transport with a state is the fused call, with the
+    # factor as its operand). Large magnitudes overflow loudly (NaN), as before.
+    x = jax.random.normal(jax.random.key(3), (4, 1000), jnp.float32)
+    y1, m1 = _psum_each(x, transport, None, compensated, dtype)
+    for k in (-100, -27, -10, 8):
+        yk, mk = _psum_each(x * 2.0 ** k, transport, None, compensated, dtype)
+        np.testing.assert_array_equal(_bits(yk), _bits((y1.astype(np.float64) * 2.0 ** k)
+                                                       .astype(y1.dtype)), err_msg=f"2^{k}")
+        if compensated:
+            np.testing.assert_array_equal(mk, m1 * np.float32(2.0 ** k), err_msg=f"m1 2^{k}")
+    for scale in (1e-30, 1e-8, 1e-4, 1.0, 1e3):
+        xs = (np.asarray(x, np.float64) * scale).astype(np.float32)
+        y, _ = _psum_each(jnp.asarray(xs), transport, None, compensated, dtype)
+        exact = np.asarray(jnp.asarray(xs).astype(dtype), np.float64).sum(0)
+        rel = np.linalg.norm(y[0].astype(np.float64) - exact) / np.linalg.norm(exact)
+        assert rel < 0.16, (scale, rel)  # 4-bit asym, g = 128, P = 4: 0.138 at scale 1
+    y, _ = _psum_each(x * 1e7, transport, None, compensated, dtype)
+    assert np.isnan(y).all()  # every group's fp16 scale overflows: NaN, never finite garbage
+    y, _ = _psum_each(x * 1e7, transport, True, compensated, dtype)
+    assert np.isfinite(y).all()  # rescale=True scales it down
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_auto_rescale_is_the_unscaled_call_from_its_threshold_up(transport):
+    # From AUTO_RESCALE_BELOW up the factor is 1: the default gives rescale=False's bits (the
+    # threshold itself included; just below it the call is rescaled). A huge value is not
+    # scaled down: it stays NaN in its own group and every other group keeps its precision.
+    lo = ej.collective.AUTO_RESCALE_BELOW
+    x = np.asarray(jax.random.normal(jax.random.key(4), (4, 512)), np.float32)
+    x = x / np.abs(x).max()
+    outlier = x.copy()
+    outlier[1, 7] = 3e38
+    for xs in [x * np.float32(a) for a in (lo, 1.0, 300.0, 2.0 ** 20)] + [outlier]:
+        xs = jnp.asarray(xs)
+        for compensated in (False, True):
+            a, _ = _psum_each(xs, transport, None, compensated)
+            b, _ = _psum_each(xs, transport, False, compensated)
+            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"max {np.abs(xs).max()}")
+    a, _ = _psum_each(jnp.asarray(outlier), transport, None, False)
+    assert np.isnan(a[:, :128]).all() and np.isfinite(a[:, 128:]).all()
+    # Just below the range: rescaled (different bits from the unscaled call, more accurate).
+    xs = jnp.asarray(x * np.float32(lo * 0.75) * np.float32(2.0 ** -24))
+    a, _ = _psum_each(xs, transport, None, False)
+    b, _ = _psum_each(xs, transport, False, False)
+    exact = np.asarray(xs, np.float64).sum(0)
+    err = [np.linalg.norm(v[0].astype(np.float64) - exact) for v in (a, b)]
+    assert err[0] < 0.5 * err[1], err
+
+
+def test_rescaled_compensated_call_stays_fused():
+    # The factor is an operand of the fused call: rescale does not unfuse the compensator.
+    cfg = ej.EchoConfig(transport="p2p")
+    for rescale in (True, "auto"):
+        f = shard_map_call(lambda v: ej.echo_psum(v[0], "tp", config=cfg,
+                                                  state=ej.init_state(v[0]),
+                                                  rescale=rescale)[0][None],
+                           out_specs=P("tp"))
+        hlo = f.lower(jnp.ones((4, 1024))).compile().as_text()
+        assert p2p.TARGET_COMPENSATED in hlo, rescale
+        assert re.search(r"all-reduce\(", hlo), "the factor's scalar pmax"
+
+
+@pytest.mark.parametrize("rescale", ["yes", 1, None, "AUTO"])
+def test_bad_rescale_is_rejected_naming_it(rescale):
+    f = shard_map_call(lambda v: ej.echo_psum(v[0], "tp", rescale=rescale)[None],
+                       out_specs=P("tp"))
+    with pytest.raises(ValueError, match=re.escape(f"rescale must be True, False or 'auto', "
+                                                   f"got {rescale!r}")):
+        f(jnp.ones((4, 256)))

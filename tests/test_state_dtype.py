@@ -118,7 +118,9 @@ def test_state_of_the_wrong_dtype_is_rejected():
 def test_the_fused_call_is_chosen_for_an_fp32_state_only():
     assert collective.fused_compensation(ej.EchoConfig(), rescale=False)
     assert not collective.fused_compensation(BF16, rescale=False)
-    assert not collective.fused_compensation(ej.EchoConfig(), rescale=True)
+    # The rescaling's factor is an operand of the fused call: rescaling keeps it fused.
+    assert collective.fused_compensation(ej.EchoConfig(), rescale=True)
+    assert collective.fused_compensation(ej.EchoConfig(), rescale="auto")
     assert not collective.fused_compensation(ej.EchoConfig(rotation="hadamard"), rescale=False)
 
 
