@@ -1,6 +1,6 @@
-"""Bad input, transforms and faults: what echo_psum does when things go wrong (README "Failure
-behaviour"). Each test here failed on the code before its fix, or pins a behaviour a sweep of
-bad configs, inputs and transforms found correct and that no other test held."""
+"""Bad input, transforms and faults: what echo_psum does when things go wrong (docs/design.md,
+"Failure behaviour"). Each test here failed on the code before its fix, or pins a behaviour a
+sweep of bad configs, inputs and transforms found correct and that no other test held."""
 
 import re
 import time
