@@ -83,6 +83,45 @@ __device__ __forceinline__ uint4 pack_values(const float* v) {
   return make_uint4(u[0], u[1], u[2], u[3]);
 }
 
+// Reduces a group's range over its LANES aligned lanes of the warp (every lane of the warp takes
+// part: the shuffles are warp-wide).
+template <int LANES>
+__device__ __forceinline__ void range_reduce(Range& r) {
+#pragma unroll
+  for (int off = LANES / 2; off > 0; off >>= 1) {
+    r.lo = min_nan(r.lo, __shfl_xor_sync(0xffffffffu, r.lo, off));
+    r.hi = max_nan(r.hi, __shfl_xor_sync(0xffffffffu, r.hi, off));
+  }
+}
+
+// The range of a lane's 16-bit values, two a instruction: min.NaN / max.NaN on bf16x2 / f16x2
+// words (IEEE 754-2019 minimum / maximum per half, like the fp32 forms), then the two halves
+// widened exactly to fp32 and combined. Same lo / hi bits as range_add over the fp32 values.
+template <typename T, int kLoads>
+__device__ __forceinline__ Range range_of_words16(const uint4 (&raw)[kLoads]) {
+  static_assert(sizeof(T) == 2, "16-bit values");
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  uint32_t lo2 = kBf16 ? 0x7F807F80u : 0x7C007C00u;  // +inf, +inf
+  uint32_t hi2 = kBf16 ? 0xFF80FF80u : 0xFC00FC00u;  // -inf, -inf
+#pragma unroll
+  for (int k = 0; k < kLoads; ++k) {
+    const uint32_t w[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (kBf16) {
+        asm("min.NaN.bf16x2 %0, %0, %1;" : "+r"(lo2) : "r"(w[i]));
+        asm("max.NaN.bf16x2 %0, %0, %1;" : "+r"(hi2) : "r"(w[i]));
+      } else {
+        asm("min.NaN.f16x2 %0, %0, %1;" : "+r"(lo2) : "r"(w[i]));
+        asm("max.NaN.f16x2 %0, %0, %1;" : "+r"(hi2) : "r"(w[i]));
+      }
+    }
+  }
+  const uint4 both = make_uint4(lo2, hi2, 0u, 0u);
+  return Range{min_nan(element<T, 0>(both), element<T, 1>(both)),
+               max_nan(element<T, 2>(both), element<T, 3>(both))};
+}
+
 // ---- codes -----------------------------------------------------------------------------------
 
 // Stores the kVec codes of one piece (kVec * BITS / 8 bytes, low nibble first at 4 bits); `mask`

@@ -380,7 +380,8 @@ struct GenericStages {
 // 118-191 a thread, for group sizes few use); every other call runs the generic stages.
 template <typename T, int G, int BITS, bool COMP>
 struct FastStages {
-  using L = fast::QuantLayout<T, G>;
+  // Two loads a lane: the stages hold a piece's values, state and output at once (registers).
+  using L = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, 2>()>;
   static constexpr int kVec = L::kVec, kLanes = L::kLanes, kLoads = L::kLoads;
   static constexpr int kGpw = L::kGroupsPerWarp;
   static constexpr int kPieceBytes = kVec * BITS / 8;
@@ -471,6 +472,8 @@ struct FastStages {
   }
 
   // The encoder of the group whose lanes hold v (order-key min / max over the group's lanes).
+  // min.NaN / max.NaN (the standalone quantizer's range) took 4-6 more registers here, and the
+  // virtual-rank benchmark showed no gain with it, so the keys stay until a measurement says so.
   __device__ static fast::Encoder group_encoder(const KernelArgs& a, const float (&v)[kLoads][kVec],
                                                 uint32_t* wire) {
     int32_t kmin = fast::kKeyMax, kmax = fast::kKeyMin;

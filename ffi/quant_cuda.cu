@@ -12,24 +12,23 @@
 //   * Layout (quant_fast.cuh, QuantLayout): a group is handled by kLanes lanes of one warp, each
 //     holding kLoads 16-byte loads of kVec = 16 / sizeof(T) values; load k of lane j holds the
 //     values k * kLanes * kVec + j * kVec + [0, kVec), so every load instruction reads kLanes * 16
-//     contiguous bytes of each of the warp's groups (full 32-byte sectors, coalesced). Two loads a
-//     lane: fp32 8 values a lane (g/8 lanes a group: 4 .. 32 for g = 32 .. 256), bf16 / fp16 16
-//     values a lane (g/16 lanes: 2 .. 32 for g = 32 .. 512); larger groups keep 32 lanes and
-//     take more loads a lane (fp32 g = 512: 4, g = 1024: 8; 16-bit g = 1024: 4). Why: two
-//     16-byte loads put 32 bytes a lane in flight before the first use for every dtype, which
-//     the memory system needs to reach its bandwidth; fewer lanes a group means fewer shuffle
-//     rounds (log2(kLanes)) and fewer redundant per-group parameter computations a value (every
-//     lane of a group computes the group's parameters itself, the same instructions on the same
-//     data: ~50 instructions a lane spread over 8 or 16 values). The raw 16-byte words stay in
-//     registers between the statistics and the encoding (one read of x; the register arrays are
-//     indexed only by unrolled constants, so nothing goes to local memory).
-//   * Grid: one wave of resident blocks (the occupancy API's blocks per SM times the SMs), each
-//     warp grid-striding over tiles of kGroupsPerWarp groups; with two loads a lane the next
-//     tile's loads are issued before the current tile is reduced and encoded (prefetch), so a
-//     warp's bytes stay in flight while it computes.
-//   * Statistics: integer min / max of an order key of each value's bits (IEEE total order,
-//     -0 < +0), reduced over the group's lanes with __shfl_xor_sync; a group is finite iff its
-//     smallest and largest keys are keys of finite numbers (quant_fast.cuh).
+//     contiguous bytes of each of the warp's groups (full 32-byte sectors, coalesced). Four loads
+//     a lane: fp32 16 values a lane (g/16 lanes a group: 2 .. 32 for g = 32 .. 512), bf16 / fp16
+//     32 values a lane (g/32 lanes: 1 .. 32 for g = 32 .. 1024); fp32 g = 1024 keeps 32 lanes
+//     and takes 8 loads. Why: four 16-byte loads put 64 bytes a lane in flight before the first
+//     use, and fewer lanes a group means fewer shuffle rounds (log2(kLanes)) and fewer redundant
+//     per-group parameter computations a value (every lane of a group computes the group's
+//     parameters itself: ~50 instructions a lane spread over 16 or 32 values). Measured on one
+//     H200 (ffi/tools/quant_stages.cu, 256 MiB): two loads a lane 84 us fp32 / 60 us bf16, four
+//     78.5 / 54, eight 96 / 78 (59 registers: fewer warps resident). The raw 16-byte words stay
+//     in registers between the statistics and the encoding (one read of x; the register arrays
+//     are indexed only by unrolled constants, so nothing goes to local memory).
+//   * Grid: one tile of kGroupsPerWarp groups a warp, no grid stride (launch_quantize_fast).
+//   * Statistics: lo / hi with PTX min.NaN / max.NaN (IEEE 754-2019 minimum / maximum: NaN
+//     propagates, -0 < +0, so any reduction order gives min_f / max_f's bits), two values an
+//     instruction on bf16x2 / f16x2 words for 16-bit inputs; reduced over the group's lanes with
+//     __shfl_xor_sync; a group is finite iff lo and hi are (quant_fast.cuh). Integer order keys
+//     (KEY_STATS) give the same bits at five instructions a value instead of two.
 //   * Parameters and codes: make_params_fast / encode_fast (quant_fast.cuh) are make_params /
 //     encode_value of echo_common.h in the same order of rounded operations (__fmul_rn,
 //     __fadd_rn, __fsub_rn, __frcp_rn), with hardware fp16 conversions (cvt.rn / cvt.rp, equal
@@ -77,10 +76,10 @@ constexpr int kRegChunks = 4;  // value chunks per lane kept in registers betwee
 // ---- fast kernels --------------------------------------------------------------------------
 
 // The kLoads 16-byte words of lane j in group grp (zeros past the last group).
-template <typename T, int G>
+template <typename L, typename T>
 __device__ __forceinline__ void load_group(const T* __restrict__ x, int64_t grp, int64_t groups,
                                            int j, uint4* raw) {
-  using L = fast::QuantLayout<T, G>;
+  constexpr int G = L::kLanes * L::kVec * L::kLoads;
   const bool valid = grp < groups;
   const uint4* src = reinterpret_cast<const uint4*>(x + grp * G) + j;
 #pragma unroll
@@ -89,26 +88,30 @@ __device__ __forceinline__ void load_group(const T* __restrict__ x, int64_t grp,
 }
 
 // x [groups * G] (T, 16-byte aligned) -> packed [groups, G*BITS/8], params [groups, 1|2].
-// Warp w handles groups w * kGroupsPerWarp + [0, kGroupsPerWarp), grid-stride over warps (the
-// grid is one wave of resident blocks). With two loads a lane, the next tile's loads are issued
-// before this tile is reduced and encoded, so every warp keeps 32 bytes a lane in flight while it
-// computes; with more loads a lane there are enough bytes in flight without that.
-template <typename T, int G, int BITS, int POLICY>
+// Warp w handles groups w * kGroupsPerWarp + [0, kGroupsPerWarp), grid-striding over warps when
+// the grid is smaller than the work (production launches one tile a warp). With PREFETCH the next
+// tile's loads are issued before this tile is reduced and encoded (it paid at two loads a lane
+// in a grid-striding wave; at four loads a lane there are enough bytes in flight without it).
+// LANES (lanes a group), PREFETCH and KEY_STATS (the group range from integer order keys instead
+// of min.NaN / max.NaN; same bits) default to the production choice; ffi/tools/quant_stages.cu
+// times the alternatives.
+template <typename T, int G, int BITS, int POLICY, int LANES = fast::default_lanes<T, G>(),
+          bool PREFETCH = fast::QuantLayout<T, G, LANES>::kLoads <= 2, bool KEY_STATS = false>
 __global__ void __launch_bounds__(kQuantThreads)
     quantize_fast_kernel(const T* __restrict__ x, int64_t groups, uint8_t* __restrict__ packed,
                          uint16_t* __restrict__ params) {
-  using L = fast::QuantLayout<T, G>;
+  using L = fast::QuantLayout<T, G, LANES>;
   constexpr int kVec = L::kVec, kLanes = L::kLanes, kLoads = L::kLoads;
   constexpr int kGpw = L::kGroupsPerWarp;
   constexpr int kPieceBytes = kVec * BITS / 8;
   constexpr int kCodeBytes = G * BITS / 8;
-  constexpr bool kPrefetch = kLoads == 2;
+  constexpr bool kPrefetch = PREFETCH;
   const int lane = static_cast<int>(threadIdx.x) % kWarp;
   const int j = lane % kLanes;  // lane within the group
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarp;
   uint4 raw[kLoads];
-  if constexpr (kPrefetch) load_group<T, G>(x, first * kGpw + lane / kLanes, groups, j, raw);
+  if constexpr (kPrefetch) load_group<L>(x, first * kGpw + lane / kLanes, groups, j, raw);
   // The loop condition is the same for the 32 lanes of a warp (w is), so every shuffle below
   // runs with the whole warp; lanes of a group past the end load zeros and store nothing.
   for (int64_t w = first; w * kGpw < groups; w += stride) {
@@ -116,30 +119,48 @@ __global__ void __launch_bounds__(kQuantThreads)
     const bool valid = grp < groups;
     uint4 next[kLoads];
     if constexpr (kPrefetch)
-      load_group<T, G>(x, grp + stride * kGpw, groups, j, next);
+      load_group<L>(x, grp + stride * kGpw, groups, j, next);
     else
-      load_group<T, G>(x, grp, groups, j, raw);
+      load_group<L>(x, grp, groups, j, raw);
 
-    int32_t kmin = fast::kKeyMax, kmax = fast::kKeyMin;
+    fast::FastParams p;
+    if constexpr (KEY_STATS) {
+      int32_t kmin = fast::kKeyMax, kmax = fast::kKeyMin;
 #pragma unroll
-    for (int k = 0; k < kLoads; ++k) {
-      float v[kVec];
-      fast::unpack_values<T, kVec>(raw[k], v);
+      for (int k = 0; k < kLoads; ++k) {
+        float v[kVec];
+        fast::unpack_values<T, kVec>(raw[k], v);
 #pragma unroll
-      for (int t = 0; t < kVec; ++t) {
-        const int32_t key = fast::order_key(__float_as_uint(v[t]));
-        kmin = fast::imin(kmin, key);
-        kmax = fast::imax(kmax, key);
+        for (int t = 0; t < kVec; ++t) {
+          const int32_t key = fast::order_key(__float_as_uint(v[t]));
+          kmin = fast::imin(kmin, key);
+          kmax = fast::imax(kmax, key);
+        }
       }
-    }
 #pragma unroll
-    for (int off = kLanes / 2; off > 0; off >>= 1) {  // within the group's aligned lanes
-      kmin = fast::imin(kmin, __shfl_xor_sync(0xffffffffu, kmin, off));
-      kmax = fast::imax(kmax, __shfl_xor_sync(0xffffffffu, kmax, off));
+      for (int off = kLanes / 2; off > 0; off >>= 1) {  // within the group's aligned lanes
+        kmin = fast::imin(kmin, __shfl_xor_sync(0xffffffffu, kmin, off));
+        kmax = fast::imax(kmax, __shfl_xor_sync(0xffffffffu, kmax, off));
+      }
+      p = fast::make_params_fast<BITS, POLICY>(__uint_as_float(fast::from_order_key(kmin)),
+                                               __uint_as_float(fast::from_order_key(kmax)),
+                                               fast::keys_finite(kmin, kmax));
+    } else {
+      fast::Range r = fast::range_empty();
+      if constexpr (sizeof(T) == 2) {
+        r = fast::range_of_words16<T, kLoads>(raw);  // two values an instruction
+      } else {
+#pragma unroll
+        for (int k = 0; k < kLoads; ++k) {
+          float v[kVec];
+          fast::unpack_values<T, kVec>(raw[k], v);
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) fast::range_add(r, v[t]);
+        }
+      }
+      fast::range_reduce<kLanes>(r);
+      p = fast::make_params_fast<BITS, POLICY>(r.lo, r.hi, fast::range_finite(r));
     }
-    const fast::FastParams p = fast::make_params_fast<BITS, POLICY>(
-        __uint_as_float(fast::from_order_key(kmin)), __uint_as_float(fast::from_order_key(kmax)),
-        fast::keys_finite(kmin, kmax));
     if (valid && j == 0) {
       if constexpr (POLICY == kPolicySym)
         params[grp] = static_cast<uint16_t>(p.wire);
@@ -329,12 +350,17 @@ ffi::Error check(int64_t bits, int64_t g, int64_t policy) {
   return ffi::Error::Success();
 }
 
+// One tile a warp (no grid stride): with four loads a lane and no prefetch, the hardware's block
+// scheduler keeps the SMs full better than one wave of grid-striding warps (H200, 256 MiB: fp32
+// 4-bit 78.5 against 83.2 us, bf16 54.0 against 55.8; ffi/tools/quant_stages.cu).
 template <typename T, int G, int BITS, int POLICY>
 void launch_quantize_fast(cudaStream_t s, const T* x, int64_t groups, uint8_t* packed,
                           uint16_t* params) {
   constexpr int64_t kGpw = fast::QuantLayout<T, G>::kGroupsPerWarp;
-  constexpr auto kernel = quantize_fast_kernel<T, G, BITS, POLICY>;
-  kernel<<<grid_for_warps<kernel>((groups + kGpw - 1) / kGpw), kQuantThreads, 0, s>>>(
+  constexpr int64_t kWarpsPerBlock = kQuantThreads / kWarp;
+  const int64_t warps = (groups + kGpw - 1) / kGpw;
+  const int64_t blocks = std::max<int64_t>(1, (warps + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  quantize_fast_kernel<T, G, BITS, POLICY><<<static_cast<unsigned>(blocks), kQuantThreads, 0, s>>>(
       x, groups, packed, params);
 }
 

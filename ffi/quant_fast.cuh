@@ -105,6 +105,40 @@ ECHO_HD int32_t f2i_rn(float v) {
 #endif
 }
 
+// ---- group range -------------------------------------------------------------------------
+// lo / hi of a group with PTX min.NaN / max.NaN (sm_80+): IEEE 754-2019 minimum / maximum, as
+// min_f / max_f (NaN propagates, -0 < +0), so the result is their bits in any reduction order;
+// an inf lands in lo or hi and a NaN in both, so a group is finite iff lo and hi are. Two
+// instructions a value (the order keys above take five).
+ECHO_HD float min_nan(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return min_f(a, b);
+#endif
+}
+ECHO_HD float max_nan(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return max_f(a, b);
+#endif
+}
+
+struct Range {
+  float lo, hi;
+};
+ECHO_HD Range range_empty() { return Range{f32_from_bits(0x7F800000u), f32_from_bits(0xFF800000u)}; }
+ECHO_HD void range_add(Range& r, float v) {
+  r.lo = min_nan(r.lo, v);
+  r.hi = max_nan(r.hi, v);
+}
+ECHO_HD bool range_finite(const Range& r) { return is_finite(r.lo) && is_finite(r.hi); }
+
 // ---- parameters ----------------------------------------------------------------------------
 
 // What the encoder of one group needs, and the group's parameters as they go on the wire.
@@ -187,17 +221,34 @@ ECHO_HD DequantParams dequant_params_fast(uint32_t wire) {
 // ---- layout of the fast quantize kernel ------------------------------------------------------
 // A group of G values of type T is read by kLanes lanes of one warp, each with kLoads 16-byte
 // loads of kVec values; load k of lane j holds values k * kLanes * kVec + j * kVec + [0, kVec), so
-// each load instruction of a group's lanes reads kLanes * 16 contiguous bytes. Two loads a lane
-// (32 bytes in flight per lane for every dtype) until a group has 32 lanes, more loads after.
+// each load instruction of a group's lanes reads kLanes * 16 contiguous bytes. By default two
+// loads or four a lane (see default_lanes), more once a group has 32 lanes.
+// Lanes a group for LOADS 16-byte loads a lane (1 .. 32 lanes).
+template <typename T, int G, int LOADS>
+constexpr int lanes_for_loads() {
+  constexpr int lanes = G / (LOADS * (16 / static_cast<int>(sizeof(T))));
+  return lanes < 1 ? 1 : lanes > 32 ? 32 : lanes;
+}
+
+// The standalone quantizer's choice: four loads a lane (64 bytes in flight a lane; fp32 8 lanes
+// a 128-group, 16-bit 4). Measured on one H200 (ffi/tools/quant_stages.cu, 256 MiB): fp32 4-bit
+// 81 us at four loads against 88 us at two, bf16 56 against 64; eight loads were slower again
+// (fewer warps resident: 59-65 registers).
 template <typename T, int G>
+constexpr int default_lanes() {
+  return lanes_for_loads<T, G, 4>();
+}
+
+template <typename T, int G, int LANES = default_lanes<T, G>()>
 struct QuantLayout {
   static constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  static constexpr int kLanes = G / (2 * kVec) < 32 ? G / (2 * kVec) : 32;
+  static constexpr int kLanes = LANES;
   static constexpr int kLoads = G / (kLanes * kVec);
   static constexpr int kGroupsPerWarp = 32 / kLanes;
   static constexpr int kValuesPerLane = kLoads * kVec;
-  static_assert(kLanes >= 1 && (kLanes & (kLanes - 1)) == 0, "lanes per group: a power of two");
-  static_assert(kLoads >= 2 && kLanes * kVec * kLoads == G, "G: a power of two >= 2 * kVec");
+  static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0,
+                "lanes per group: a power of two <= 32");
+  static_assert(kLoads >= 1 && kLanes * kVec * kLoads == G, "G: a power of two >= kLanes * kVec");
   // Index in the group of element t of load k of lane j.
   ECHO_HD static constexpr int index(int j, int k, int t) { return k * kLanes * kVec + j * kVec + t; }
 };
