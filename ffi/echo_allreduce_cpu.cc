@@ -237,15 +237,10 @@ ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, ff
                             GetAttrInRange<int64_t>(attrs, "num_ranks", 1, echo::kMaxRanks, kWhere,
                                                     "ranks in the group, the axis size P"));
   ECHO_FFI_ASSIGN_OR_RETURN(int64_t bits, GetAttr<int64_t>(attrs, "bits", kWhere));
-  ECHO_FFI_CHECK(bits == 4 || bits == 8, kWhere, "attribute 'bits' must be 4 or 8, got ", bits);
-  ECHO_FFI_ASSIGN_OR_RETURN(
-      int64_t g, GetAttrInRange<int64_t>(attrs, "group_size", 1, echo::kMaxGroupSize, kWhere,
-                                         "values per quantization group"));
-  ECHO_FFI_CHECK(bits == 8 || g % 2 == 0, kWhere,
-                 "attribute 'group_size' must be even at 4 bits (two codes a byte), got ", g);
-  ECHO_FFI_ASSIGN_OR_RETURN(
-      int64_t policy, GetAttrInRange<int64_t>(attrs, "policy", 0, 2, kWhere,
-                                              "0 = asym, 1 = sym, 2 = asym_naive"));
+  ECHO_FFI_ASSIGN_OR_RETURN(int64_t g, GetAttr<int64_t>(attrs, "group_size", kWhere));
+  ECHO_FFI_ASSIGN_OR_RETURN(int64_t policy, GetAttr<int64_t>(attrs, "policy", kWhere));
+  const std::string format = echo::format_error(bits, g, policy);
+  ECHO_FFI_CHECK(format.empty(), kWhere, "attribute ", format);
   ECHO_FFI_ASSIGN_OR_RETURN(int64_t seg_groups,
                             GetAttr<int64_t>(attrs, "segment_groups", kWhere));
   // The wire layout of echo_jax.collective.segment_layout: ceil(ceil(max(n, 1) / g) / P).

@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec as P
 import echo_jax as ej
 from echo_jax import collective
 from echo_jax import compensator as comp
-from echo_jax import p2p, quant
+from echo_jax import p2p, policies, quant
 
-POLICIES = ("asym", "sym", "asym_naive")
+POLICIES = policies.NAMES  # ("asym", "sym", "asym_naive")
 CONFIGS = [(b, p) for b in (4, 8) for p in POLICIES]
 SIZES = (1, 127, 1000, 4099)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
