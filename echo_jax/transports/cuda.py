@@ -61,8 +61,8 @@ def available() -> bool:
 
 
 def build_info() -> dict:
-    """The XLA FFI headers echo_jax._ffi_cuda was compiled against (as `transports.cpu.build_info()`);
-    empty when the CUDA handlers are not built."""
+    """The XLA FFI headers echo_jax._ffi_cuda was compiled against (as the CPU transport's
+    `build_info()`); empty when the CUDA handlers are not built."""
     try:
         return dict(_module().build_info())
     except ImportError:
