@@ -37,7 +37,7 @@ namespace echo {
 enum Policy : int { kPolicyAsym = 0, kPolicySym = 1, kPolicyAsymNaive = 2 };
 constexpr int kNumPolicies = 3;  // codes 0 .. kNumPolicies - 1
 
-// Limits shared by the handlers and the Python wrapper (echo_jax/p2p.py checks them first).
+// Limits shared by the handlers and the Python side (echo_jax/transports/base.py checks first).
 constexpr int kMaxRanks = 256;             // ranks per group (num_ranks)
 constexpr int kMaxGroupSize = 1 << 16;     // values per quantization group (group_size)
 constexpr int64_t kMaxSegmentElems = (int64_t{1} << 31) - 1;  // segment_groups * group_size

@@ -1,7 +1,7 @@
 // nanobind module echo_jax._ffi: the Echo custom-call handlers as PyCapsules for
-// jax.ffi.register_ffi_target (see echo_jax/p2p.py), plus small host utilities: the workspace
-// registry's statistics and release, and the C++ quantizer (ffi/echo_common.h) on NumPy arrays
-// so that tests can compare it with the pure-JAX reference directly.
+// jax.ffi.register_ffi_target (echo_jax/transports/cpu.py), plus small host utilities: the
+// workspace registry's statistics and release, and the C++ quantizer (ffi/echo_common.h) on
+// NumPy arrays, so that tests can compare it with the pure-JAX reference directly.
 
 #include <cstdint>
 #include <cstring>
