@@ -22,15 +22,16 @@ import jax.numpy as jnp
 from echo_jax import compensator as comp
 from echo_jax import transports
 from echo_jax.config import EchoConfig
+# Re-exported under their old names: their homes are the transports.
+from echo_jax.transports import limit_reason, unavailable_reason
 from echo_jax.transports import xla as _xla
 from echo_jax.transports.base import (DEFAULT_TIMEOUT_S, MAX_GROUP_SIZE, MAX_SEGMENT_ELEMS,
                                       TIMEOUT_ENV, build_mismatch, factor_operand,
                                       runtime_ffi_api)
-from echo_jax.transports.base import timeout_ms as _timeout_ms  # noqa: F401  (old name)
+from echo_jax.transports.base import timeout_ms as _timeout_ms  # noqa: F401
 from echo_jax.transports.cpu import (DEBUG_FAILING_STAGES, DTYPES, MAX_RANKS, POLICY_CODES,
                                      TARGET, TARGET_COMPENSATED, available_platforms, build_info,
                                      debug_absent_rank, debug_failing_rank, registry_stats)
-from echo_jax.transports import limit_reason, unavailable_reason  # noqa: E402
 
 
 def choose(config: EchoConfig, axis_name=None, num_elements=None) -> str:
