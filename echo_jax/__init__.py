@@ -3,17 +3,37 @@
     import echo_jax as ej
     y = ej.echo_psum(x, "tp", config=ej.EchoConfig(bits=4))            # inside shard_map / vmap
     y, state = ej.echo_psum(x, "tp", config=cfg, state=ej.init_state(x))  # compensated
+
+`import echo_jax` is light: it imports neither JAX nor a submodule. Each public name is loaded
+from its module on first use (PEP 562), so a command-line tool can parse its arguments (and set
+XLA_FLAGS) before JAX starts.
 """
 
-from echo_jax.calibration import (choose_site_configs, parse_site_config, site_config_label,
-                                  site_wire_bits)
-from echo_jax.collective import echo_psum, resolve_transport, segment_layout
-from echo_jax.compensator import CompensatorState, init_state
-from echo_jax.config import EchoConfig
-from echo_jax.quant import dequantize_groups, quantize_dequantize, quantize_groups
-from echo_jax.rotation import hadamard_rotate, hadamard_signs, hadamard_unrotate
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "EchoConfig": "echo_jax.config",
+    "CompensatorState": "echo_jax.compensator",
+    "init_state": "echo_jax.compensator",
+    "echo_psum": "echo_jax.collective",
+    "resolve_transport": "echo_jax.collective",
+    "segment_layout": "echo_jax.collective",
+    "quantize_groups": "echo_jax.quant",
+    "dequantize_groups": "echo_jax.quant",
+    "quantize_dequantize": "echo_jax.quant",
+    "hadamard_rotate": "echo_jax.rotation",
+    "hadamard_unrotate": "echo_jax.rotation",
+    "hadamard_signs": "echo_jax.rotation",
+    "parse_site_config": "echo_jax.calibration",
+    "site_config_label": "echo_jax.calibration",
+    "site_wire_bits": "echo_jax.calibration",
+    "choose_site_configs": "echo_jax.calibration",
+}
 
 __all__ = [
     "EchoConfig", "CompensatorState", "init_state", "echo_psum", "resolve_transport",
@@ -21,3 +41,36 @@ __all__ = [
     "hadamard_rotate", "hadamard_unrotate", "hadamard_signs", "parse_site_config",
     "site_config_label", "site_wire_bits", "choose_site_configs",
 ]
+
+
+#: Submodules reachable as attributes (`ej.quant`), as when the package imported them eagerly.
+_SUBMODULES = frozenset({
+    "_compat", "calibration", "collective", "compensator", "config", "p2p", "p2p_cuda",
+    "policies", "quant", "rotation", "tp", "transports",
+})
+
+
+def __getattr__(name: str):
+    """Loads a public name (or a submodule) on first access, then caches it here.
+
+    Args:
+      name: the attribute asked for.
+
+    Returns:
+      The object the name stands for.
+
+    Raises:
+      AttributeError: no such public name or submodule.
+    """
+    if name in _SUBMODULES:
+        return importlib.import_module(f"echo_jax.{name}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'echo_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

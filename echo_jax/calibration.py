@@ -29,11 +29,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from echo_jax import policies
 from echo_jax.config import EchoConfig
-from echo_jax.quant import num_params
 
 _NAME = re.compile(r"^(?P<bits>\d+)g(?P<g>\d+)(?P<mods>(?:-(?:sym|naive|asym|h|eta[0-9.]+))*)$")
-_POLICY_OF_MOD = {"sym": "sym", "naive": "asym_naive", "asym": "asym"}
+_POLICY_OF_MOD = policies.BY_LABEL  # "sym" -> "sym", "naive" -> "asym_naive", "asym" -> "asym"
 
 
 def parse_site_config(name: str, rotation: str = "none", transport: str = "xla"
@@ -89,7 +89,7 @@ def site_config_label(config: Optional[EchoConfig]) -> str:
         return "16"
     s = f"{config.bits}g{config.group_size}"
     if config.policy != "asym":
-        s += "-sym" if config.policy == "sym" else "-naive"
+        s += "-" + policies.LABELS[config.policy]
     if config.rotation != "none":
         s += "-h" if config.rotation == "hadamard" else f"-{config.rotation}"
     if config.eta != 0.75:
@@ -104,7 +104,7 @@ def site_wire_bits(config: Optional[EchoConfig]) -> float:
     `EchoConfig.wire_bits_per_element`. Padding of a tensor to whole groups is not counted."""
     if config is None:
         return 16.0
-    return float(config.bits + 16.0 * num_params(config.policy) / config.group_size)
+    return float(policies.wire_bits_per_element(config.bits, config.group_size, config.policy))
 
 
 def choose_site_configs(estimates, costs, budget: float,

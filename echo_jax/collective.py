@@ -27,11 +27,15 @@ group's scale. The rotation is plain JAX around the unchanged transports (the cu
 so "xla" and "p2p" still give the same bits); the compensator's apply and update steps then run in
 JAX around the call, not fused into it, and stay in the original basis. Gradients are psum's.
 
-Fused or unfused compensation (decided in one place, `fused_compensation`): the "p2p" custom
-call fuses the apply and update steps only for an fp32 state, with no rescaling and no rotation.
-Otherwise (a bfloat16 state, rescale, rotation, or the "xla" transport) the apply step, the
-uncompensated transport and the update run one after the other in JAX, so "xla" and "p2p" give
-the same bits for a bfloat16 state too.
+Transports (`echo_jax.transports`): `transports.select` is the one choice of the transport a
+call runs ("xla", or the "p2p" custom call of the platform, CPU or CUDA).
+
+Fused or unfused compensation (decided in one place, `fused_compensation`): a transport with a
+fused call (`allreduce_compensated`: the custom calls) fuses the apply and update steps only for
+an fp32 state and no rotation (the rescaling factor is an operand of the fused call). Otherwise
+(a bfloat16 state, rotation, or the "xla" transport) the apply step, the uncompensated transport
+and the update run one after the other in JAX, so "xla" and "p2p" give the same bits for a
+bfloat16 state too.
 
 Size gate: a contribution of fewer than `EchoConfig.min_bytes` bytes per rank (each array of a
 pytree decided on its own, statically from its shape and dtype) is summed by `lax.psum` instead,
@@ -45,7 +49,6 @@ also the reference of the "p2p" custom call.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -54,21 +57,15 @@ from jax import lax
 
 from echo_jax import _compat
 from echo_jax import compensator as comp
-from echo_jax import quant
 from echo_jax import rotation as rot
+from echo_jax import transports
 from echo_jax.config import EchoConfig
+# Re-exported: their homes are the transports (the wire layout, the kill switch, the reference).
+from echo_jax.transports import FORCE_XLA_ENV
+from echo_jax.transports.base import segment_layout
+from echo_jax.transports.xla import xla_allreduce, xla_allreduce_scaled
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-#: Environment switch: set to 1 to force the pure-JAX transport everywhere.
-FORCE_XLA_ENV = "ECHO_JAX_FORCE_XLA"
-
-
-def segment_layout(num_elements: int, num_ranks: int, group_size: int):
-    """(groups per segment Gs, padded length P * Gs * g) of the wire layout."""
-    groups = -(-max(num_elements, 1) // group_size)
-    per_segment = -(-groups // num_ranks)
-    return per_segment, num_ranks * per_segment * group_size
 
 
 def axis_size(axis_name, where: str = "echo_psum") -> int:
@@ -96,72 +93,13 @@ def _single_axis(axis_name, where):
     return axis_name
 
 
-def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
-    """The quantized all-reduce of a flat contribution with the "xla" transport.
-
-    Args:
-      x_flat32: [n] contribution of this rank (already compensated): fp32, or bfloat16 /
-        float16, which is widened to fp32 first (exactly).
-      axis: the bound axis name to reduce over.
-      num_ranks: its size P.
-      config: bits, group size and policy.
-
-    Returns:
-      [n] in x's dtype (the fp32 sum, rounded to nearest even for a 16-bit x), identical on
-      every rank.
-    """
-    dtype = jnp.result_type(x_flat32)
-    if dtype != jnp.float32:
-        return xla_allreduce(x_flat32.astype(jnp.float32), axis, num_ranks, config).astype(dtype)
-    bits, g, policy = config.bits, config.group_size, config.policy
-    n = x_flat32.shape[0]
-    per_seg, padded = segment_layout(n, num_ranks, g)
-    segs = jnp.pad(x_flat32, (0, padded - n)).reshape(num_ranks, per_seg, g)
-    # Push: quantize all P segments; the all-to-all delivers segment j of rank r as row r on j.
-    packed, params = quant.quantize_groups(segs, bits, policy)
-    recv_packed = lax.all_to_all(packed, axis, 0, 0)
-    recv_params = lax.all_to_all(params, axis, 0, 0)
-    copies = quant.dequantize_groups(recv_packed, recv_params, bits, policy)
-    # Reduce: fp32 sum in rank order, own full-precision segment at its own position.
-    me = lax.axis_index(axis)
-    own = lax.dynamic_index_in_dim(segs, me, 0, keepdims=False)
-    acc = jnp.where(me == 0, own, copies[0])
-    for r in range(1, num_ranks):
-        acc = acc + jnp.where(me == r, own, copies[r])
-    sum_packed, sum_params = quant.quantize_groups(acc, bits, policy)
-    # Gather + tail: every rank dequantizes the same codes of every owner. In a type-checked
-    # shard_map the gathered codes are invariant over the axis, like lax.psum's result.
-    all_packed = _compat.all_gather_invariant(sum_packed, axis)
-    all_params = _compat.all_gather_invariant(sum_params, axis)
-    y = quant.dequantize_groups(all_packed, all_params, bits, policy)
-    return y.reshape(-1)[:n]
-
-
-def xla_allreduce_scaled(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=None):
-    """`xla_allreduce` in units multiplied by `factor` (the Echo paper Sec. 5.4).
-
-    The reference of the custom call's factor operand: x (widened to fp32) times the shared power
-    of two, the quantized all-reduce, the fp32 sum times 1 / factor (both exact), then rounded to
-    x's dtype. `factor` None: `xla_allreduce` itself.
-    """
-    if factor is None:
-        return xla_allreduce(x_flat32, axis, num_ranks, config)
-    dtype = jnp.result_type(x_flat32)
-    f = jnp.asarray(factor, jnp.float32).reshape(())
-    y32 = xla_allreduce(x_flat32.astype(jnp.float32) * f, axis, num_ranks, config)
-    return (y32 * (jnp.float32(1) / f)).astype(dtype)
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
 def _allreduce_f32(x_flat32, factor, axis, num_ranks, config):
     # x: flat fp32, or bfloat16 / float16 for the custom call (fp32 arithmetic inside either
     # way); the sum comes back in x's dtype. factor: None, or the f32 power of two of the
     # rescaling (applied inside the custom call, around xla_allreduce on the xla transport).
-    transport = resolve_transport(config, axis, x_flat32.shape[0])
-    if transport == "xla":
-        return xla_allreduce_scaled(x_flat32, axis, num_ranks, config, factor)
-    from echo_jax import p2p  # the custom call; imported lazily
-    return p2p.p2p_allreduce(x_flat32, axis, num_ranks, config, factor=factor)
+    transport = transports.select(config, axis, x_flat32.shape[0])
+    return transport.allreduce(x_flat32, axis, num_ranks, config, factor=factor)
 
 
 @_allreduce_f32.defjvp
@@ -176,7 +114,7 @@ def _allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
 
 
 def resolve_transport(config: EchoConfig, axis=None, num_elements=None) -> str:
-    """The transport a call with this config runs here ("xla" or "p2p").
+    """The transport a call with this config runs here ("xla" or "p2p"): `transports.select`.
 
     Args:
       config: the call's EchoConfig.
@@ -184,21 +122,11 @@ def resolve_transport(config: EchoConfig, axis=None, num_elements=None) -> str:
       num_elements: elements of one rank's flat contribution, if known: "auto" then also checks
         the custom call's size limits (group size, ranks, segment length) and falls back to
         "xla" beyond them.
+
+    Raises:
+      ValueError: config.transport == "p2p" but the custom call cannot run here (says why).
     """
-    if os.environ.get(FORCE_XLA_ENV, "") not in ("", "0"):
-        return "xla"
-    if config.transport == "xla":
-        return "xla"
-    try:
-        from echo_jax import p2p
-    except ImportError as err:
-        if config.transport == "p2p":
-            raise ValueError(
-                "EchoConfig.transport='p2p' needs the Echo custom call (echo_jax.p2p and its "
-                f"compiled extension), which is not available here: {err}. Use transport='auto' "
-                "or 'xla'.") from None
-        return "xla"
-    return p2p.choose(config, axis, num_elements)
+    return transports.resolve(config, axis, num_elements)
 
 
 #: The values of echo_psum's `rescale`.
@@ -259,8 +187,8 @@ def fused_compensation(config: EchoConfig, rescale=False) -> bool:
     them (no rotation: the rotated call would see rotated values). The rescaling factor is an
     operand of the fused call (applied after the apply step, undone before the update, as
     Sec. 5.4 orders them), so `rescale` does not unfuse it. A bfloat16 state runs unfused on
-    every transport: apply in JAX, the uncompensated transport, update in JAX. Whether the
-    custom call runs at all is `resolve_transport`'s choice.
+    every transport: apply in JAX, the uncompensated transport, update in JAX. Whether a
+    transport with a fused call runs at all is `transports.select`'s choice.
     """
     check_rescale(rescale, "fused_compensation")
     return config.state_dtype == "float32" and config.rotation == "none"
@@ -285,8 +213,7 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     shape = jnp.shape(x)
     if state is not None:
         state = jax.tree.map(lax.stop_gradient, state)
-        state = comp.CompensatorState(_compat.to_varying(state.m1, axis),
-                                      _compat.to_varying(state.m2, axis))
+        state = comp.to_varying_state(state, axis)
         m = comp.CompensatorState(jnp.ravel(state.m1), jnp.ravel(state.m2))
     # With the rotation the compensator runs in JAX around the (unfused) transport, so that
     # its state stays in the original basis; the fused custom call would see rotated values.
@@ -295,7 +222,9 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     # the fused call needs no fp32 copy of x' in XLA: x' differs from x by the small correction,
     # far inside the headroom the factor leaves (max |x| * factor < 512, fp16 holds 65504 * Q).
     factor = None if (rescale is False or rotated) else rescale_factor(flat, axis, rescale)
-    direct = not rotated and resolve_transport(config, axis, flat.shape[0]) == "p2p"
+    # A transport with a fused call is a custom call: nothing around it needs fp32 (`direct`).
+    transport = None if rotated else transports.select(config, axis, flat.shape[0])
+    direct = transport is not None and transports.has_fused_compensation(transport)
     if direct and state is None:
         # Nothing runs in fp32 around the custom call: x enters it in its own dtype (the call
         # widens a 16-bit x exactly, and multiplies by the factor) and the sum leaves it in x's
@@ -306,7 +235,7 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
         # state update inside the call, with the fp32 sum; m1/m2 are updated in place.
         y, m1, m2 = _fused_allreduce_f32(flat, m.m1, m.m2, factor, axis, num_ranks, config)
         return y.reshape(shape), comp.CompensatorState(m1.reshape(shape), m2.reshape(shape))
-    # Unfused (the xla transport; or p2p with a bfloat16 state or rotation): apply, the
+    # Unfused (the xla transport; or a custom call with a bfloat16 state or rotation): apply, the
     # uncompensated transport (rescaled inside), update, in JAX.
     x32 = flat.astype(jnp.float32)
     k = comp.Coefficients.from_config(config)
@@ -358,10 +287,11 @@ def _rotated_allreduce_f32_jvp(axis, num_ranks, config, rescale, primals, tangen
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
 def _fused_allreduce_f32(x_flat32, m1, m2, factor, axis, num_ranks, config):
     # x: flat fp32, bfloat16 or float16 (the sum comes back in its dtype); m1, m2: fp32;
-    # factor: None or the f32 power of two of the rescaling.
-    from echo_jax import p2p
-    return p2p.p2p_allreduce_compensated(x_flat32, m1, m2, axis, num_ranks, config,
-                                         factor=factor)
+    # factor: None or the f32 power of two of the rescaling. Only a transport with a fused call
+    # gets here (`_echo_leaf`).
+    transport = transports.select(config, axis, x_flat32.shape[0])
+    return transport.allreduce_compensated(x_flat32, m1, m2, axis, num_ranks, config,
+                                           factor=factor)
 
 
 @_fused_allreduce_f32.defjvp

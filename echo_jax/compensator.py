@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from echo_jax import _compat
 from echo_jax.config import EchoConfig
 from echo_jax.quant import _no_fma
 
@@ -146,6 +147,19 @@ def update_state(x_prime, y32, num_ranks: int, state: CompensatorState,
                             _store(q2 + r2, jnp.result_type(state.m2)))
 
 
+def to_varying_state(state: CompensatorState | None, axis) -> CompensatorState | None:
+    """The state typed as varying over `axis` (m1 and m2 each, `_compat.to_varying`), so that it
+    can meet a varying contribution in a type-checked shard_map; None stays None.
+
+    Args:
+      state: a CompensatorState, or None.
+      axis: the manual axis (no-op for a vmap axis or an unchecked shard_map).
+    """
+    if state is None:
+        return None
+    return CompensatorState(_compat.to_varying(state.m1, axis), _compat.to_varying(state.m2, axis))
+
+
 def check_state(state, x, where: str = "echo_psum", config: EchoConfig | None = None) -> None:
     """Raise a ValueError that names the problem if `state` does not fit contribution `x`.
 
@@ -167,4 +181,4 @@ def check_state(state, x, where: str = "echo_psum", config: EchoConfig | None = 
 
 
 __all__ = ["CompensatorState", "init_state", "state_dtype", "Coefficients", "apply_correction",
-           "update_state"]
+           "update_state", "to_varying_state"]

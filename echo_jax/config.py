@@ -12,7 +12,9 @@ import numbers
 
 import numpy as np
 
-POLICIES = ("asym", "sym", "asym_naive")
+from echo_jax import policies as _policies
+
+POLICIES = _policies.NAMES
 TRANSPORTS = ("auto", "p2p", "xla")
 BITS = (4, 8)
 ROTATIONS = ("none", "hadamard")
@@ -117,10 +119,9 @@ class EchoConfig:
         """Wire bits per value: bits + 16 * (fp16 parameters per group) / group_size.
 
         One fp16 scale per group for "sym", a scale and a zero-point for "asym" and
-        "asym_naive" (`echo_jax.quant.num_params`); the rotation adds nothing to the wire.
+        "asym_naive" (`echo_jax.policies`); the rotation adds nothing to the wire.
         """
-        from echo_jax.quant import num_params  # the one definition of the wire format
-        return self.bits + 16 * num_params(self.policy) / self.group_size
+        return _policies.wire_bits_per_element(self.bits, self.group_size, self.policy)
 
     @property
     def compensated(self) -> bool:

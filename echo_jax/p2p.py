@@ -1,226 +1,37 @@
-"""The "p2p" transport: the Echo all-reduce as an XLA FFI custom call (ffi/, module `echo_jax._ffi`).
+"""The "p2p" transport as public functions: the Echo custom call of this platform, "xla" elsewhere.
 
-`p2p_allreduce` has the signature of `echo_jax.collective.xla_allreduce` and returns the same bits;
-`p2p_allreduce_compensated` fuses Algorithm 1 of the Echo paper into the call and returns the same
-bits as `compensator.apply_correction` + `xla_allreduce` + `compensator.update_state`. Both run
-inside `jax.shard_map`: every rank of the reduced axis is one device, and the ranks of a group
-meet inside the custom call (on CPU: host threads over shared memory, see
-ffi/echo_allreduce_cpu.cc). The protocol and the wire format are those of `collective.py` and
-`quant.py`.
+The custom calls live in `echo_jax.transports.cpu` (XLA FFI handler of ffi/echo_allreduce_cpu.cc,
+its attributes and limits documented there) and `echo_jax.transports.cuda` (ffi/p2p_cuda.cu);
+`echo_jax.transports.select` decides which transport runs. This module keeps the explicit entry
+points:
 
-On CPU (ffi/echo_allreduce_cpu.cc) the handler is asynchronous: each rank's call returns a
-future to XLA and runs push / reduce / gather / tail on a host thread of its own, the ranks meeting
-in a workspace per (call site, devices of the group) that is allocated at the first execution and
-reused by every later one; readiness is one monotone flag per rank whose base rises by 3 per call.
-A rank that waits longer than ECHO_JAX_TIMEOUT_S for a peer fails the execution with an error
-that names the stage, the group, the rank and the missing peer.
-
-`choose(config)` says which transport a call runs. The custom call needs
-
-* a handler for the platform in `echo_jax._ffi` ("cpu"; the GPU custom call is the separate
-  module `echo_jax._ffi_cuda`, wrapped by `echo_jax.p2p_cuda`),
-* one process (the CPU handler shares host memory between the ranks),
-* a `jax.shard_map` in which the reduced axis and every other mesh axis of size > 1 are manual.
-  Under `jax.vmap(..., axis_name=...)` the ranks are batch entries of one device and a custom
-  call that waits for its peers would deadlock, so vmap always runs the "xla" transport.
-
-Attributes and limits (validated here with messages that say what to fix, and again in C++):
-
-=================  =========================================================================
-num_ranks          P, the size of the reduced axis: 1 .. 256
-bits               4 or 8
-group_size         g: 1 .. 65536, even at 4 bits
-policy             int code: 0 = "asym", 1 = "sym", 2 = "asym_naive" (`quant.POLICIES` order)
-segment_groups     groups per segment, ceil(ceil(max(n, 1) / g) / P) (`segment_layout`);
-                   segment_groups * g <= 2^31 - 1
-site               id of the traced call site (keeps independent all-reduces of one program
-                   apart; a new id per trace)
-timeout_ms         how long a rank waits for a peer before failing: ECHO_JAX_TIMEOUT_S
-                   (seconds, default 10), read when the call is traced
-debug_absent_rank  test hook (`debug_absent_rank()`), -1 normally
-debug_failing_     test hook (`debug_failing_rank()`): rank (-1 normally), stage (0 = validation,
-rank, _stage,      1 = push, 2 = after the tail) and cause ("" normally) of a rank that fails
-debug_failure      on purpose
-ea, eb, b1, c1,    fp32 coefficients of `compensator.Coefficients` and f32(1/P)
-b2, c2, inv_ranks  (compensated call only)
-=================  =========================================================================
-
-Operands: x [n] in float32, bfloat16 or float16, (m1, m2 fp32 [n] for the compensated call,
-aliased to their outputs), and coords int32 [2] = (axis_index(axis), group id), the group id
-numbering the other manual axes. The sum y has x's dtype: a 16-bit x enters and leaves the call in
-its own dtype (no fp32 copy of it in XLA around the call); the handler loads it to fp32 exactly,
-runs the protocol in fp32 and rounds the sum to x's dtype to nearest even, like
-`xla_allreduce(x.astype(f32)).astype(x.dtype)`. The compensated call keeps its state in fp32 and
-updates it with the fp32 sum, before that rounding.
+* `p2p_allreduce` has the signature of `echo_jax.collective.xla_allreduce` and returns the same
+  bits; `p2p_allreduce_compensated` fuses Algorithm 1 of the Echo paper into the call and returns
+  the same bits as `compensator.apply_correction` + `xla_allreduce` + `compensator.update_state`.
+  Both run the custom call of the platform (CPU or CUDA) where it can run, and fall back to the
+  "xla" transport where it cannot (e.g. under vmap), unless `config.transport == "p2p"`, which
+  raises instead. `config.transport == "xla"` does not stop them from running the custom call.
+* `choose(config)` says which transport an `echo_psum` call with this config runs ("p2p" or
+  "xla"), `unavailable_reason` and `limit_reason` why the custom call cannot run.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import itertools
-import os
-import re
-import threading
-
-import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
-from echo_jax import _compat
 from echo_jax import compensator as comp
+from echo_jax import transports
 from echo_jax.config import EchoConfig
-from echo_jax.quant import POLICIES
-
-try:
-    from echo_jax import _ffi
-except ImportError as _err:  # pragma: no cover - only without the compiled extension
-    _ffi = None
-    _IMPORT_ERROR = f"the compiled extension echo_jax._ffi is missing ({_err}); reinstall with " \
-                    "`pip install -e .`"
-else:
-    _IMPORT_ERROR = None
-
-TARGET = "echo_jax_allreduce"
-TARGET_COMPENSATED = "echo_jax_allreduce_compensated"
-
-#: Environment variable: seconds a rank waits for a peer before the call fails (default 10).
-TIMEOUT_ENV = "ECHO_JAX_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 10.0
-
-MAX_RANKS = 256
-MAX_GROUP_SIZE = 1 << 16
-MAX_SEGMENT_ELEMS = 2 ** 31 - 1
-#: dtypes of the contribution x (and of the sum y): the call reads and writes them itself.
-DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-POLICY_CODES = {p: i for i, p in enumerate(POLICIES)}  # asym 0, sym 1, asym_naive 2
-
-_PLATFORM_ALIASES = {"cuda": "cuda", "gpu": "cuda", "rocm": "rocm", "cpu": "cpu"}
-
-_lock = threading.Lock()
-_registered: set[str] = set()
-_sites = itertools.count(1)
-_debug_absent_rank = -1
-_debug_failing = (-1, 0, "")  # (rank, stage code, cause): see debug_failing_rank
-#: Stages where `debug_failing_rank` makes its rank fail (codes of the attribute).
-DEBUG_FAILING_STAGES = {"validate": 0, "push": 1, "tail": 2}
-
-
-def available_platforms() -> tuple[str, ...]:
-    """Platforms this build has custom-call handlers for (empty without the extension)."""
-    return tuple(_ffi.platforms()) if _ffi is not None else ()
-
-
-def _register(platform: str) -> None:
-    """Registers the FFI targets for `platform` once, after the backend is initialised."""
-    if platform in _registered:
-        return
-    with _lock:
-        if platform in _registered:
-            return
-        jax.devices()  # initialise the backends first: registration needs them
-        if platform == "cpu":
-            for name, capsule in _ffi.registrations().items():
-                jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-        _registered.add(platform)
-
-
-def _current_platform(mesh) -> str:
-    device = getattr(mesh, "abstract_device", None)
-    platform = getattr(device, "platform", None) if device is not None else None
-    if not platform:
-        platform = jax.default_backend()
-    return _PLATFORM_ALIASES.get(str(platform).lower(), str(platform).lower())
-
-
-def unavailable_reason(axis_name=None) -> str | None:
-    """Why the custom call cannot run here (None when it can).
-
-    Args:
-      axis_name: the axis to reduce over, if known; without it only the context is checked.
-    """
-    if _ffi is None:
-        return _IMPORT_ERROR
-    mismatch = build_mismatch(build_info(), "echo_jax._ffi")
-    if mismatch is not None:
-        return mismatch
-    if jax.process_count() > 1:
-        return (f"this run has {jax.process_count()} processes and the CPU custom call shares "
-                "host memory between the ranks of one process")
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = set(getattr(mesh, "manual_axes", ()) or ())
-    if mesh.empty or not manual:
-        return ("it is not called inside jax.shard_map (the custom call needs one device per rank; "
-                "under jax.vmap(..., axis_name=...) or outside shard_map only 'xla' runs)")
-    if axis_name is not None and axis_name not in manual:
-        return (f"axis {axis_name!r} is not a manual axis of the enclosing shard_map (manual: "
-                f"{sorted(manual)}); a jax.vmap axis runs the 'xla' transport, since the vmapped "
-                "ranks of a custom call would wait for each other forever")
-    auto = [a for a, s in zip(mesh.axis_names, mesh.axis_sizes) if a not in manual and s > 1]
-    if auto:
-        return (f"mesh axes {auto} are not manual inside this shard_map, so XLA would replicate "
-                "the custom call over them; shard_map over every mesh axis of size > 1")
-    platform = _current_platform(mesh)
-    if platform in ("gpu", "cuda"):
-        return _gpu_unavailable_reason(axis_name)
-    if platform not in available_platforms():
-        return (f"echo_jax._ffi has no handler for platform {platform!r} (it has "
-                f"{list(available_platforms())})")
-    return None
-
-
-def _gpu_unavailable_reason(axis_name) -> str | None:
-    """Why the CUDA custom call (echo_jax.p2p_cuda) cannot run here (None when it can)."""
-    from echo_jax import p2p_cuda
-    if not p2p_cuda.available():
-        return "the CUDA handlers (echo_jax._ffi_cuda) are not built: install where nvcc is found"
-    mismatch = build_mismatch(p2p_cuda.build_info(), "echo_jax._ffi_cuda")
-    if mismatch is not None:
-        return mismatch
-    if axis_name is None:
-        return None
-    size = jax.sharding.get_abstract_mesh().shape[axis_name]
-    if size > p2p_cuda.MAX_RANKS:
-        return f"the CUDA custom call takes at most {p2p_cuda.MAX_RANKS} ranks, axis has {size}"
-    if p2p_cuda.mesh_groups(axis_name, size) is None:
-        return ("the CUDA custom call needs the concrete mesh of local GPUs: call it under "
-                "`with jax.set_mesh(mesh):`")
-    return None
-
-
-def _on_gpu() -> bool:
-    return _current_platform(jax.sharding.get_abstract_mesh()) in ("gpu", "cuda")
-
-
-def limit_reason(config: EchoConfig, num_elements: int, num_ranks: int) -> str | None:
-    """Why the custom call's size limits rule this call out (None when it is within them).
-
-    The one list of the limits: `_check_call` raises with it, and "auto" falls back to "xla" on
-    it (so a call that "xla" can run never fails under "auto").
-
-    Args:
-      config: the call's EchoConfig (its group size).
-      num_elements: elements of one rank's flat contribution.
-      num_ranks: the size P of the reduced axis.
-    """
-    max_ranks = MAX_RANKS
-    if _on_gpu():
-        from echo_jax import p2p_cuda
-        max_ranks = p2p_cuda.MAX_RANKS
-    if not 1 <= num_ranks <= max_ranks:
-        return f"the custom call supports 1..{max_ranks} ranks, the axis has {num_ranks}"
-    g = config.group_size
-    if g > MAX_GROUP_SIZE:
-        return (f"EchoConfig.group_size={g} exceeds the custom call's limit of "
-                f"{MAX_GROUP_SIZE}")
-    from echo_jax.collective import segment_layout  # the wire layout's one definition
-    seg_groups, _ = segment_layout(num_elements, num_ranks, g)
-    if seg_groups * g > MAX_SEGMENT_ELEMS:
-        return (f"{num_elements} elements over {num_ranks} ranks make segments of "
-                f"{seg_groups * g} elements, above the custom call's limit of 2^31-1; split the "
-                "all-reduce")
-    return None
+# Re-exported under their old names: their homes are the transports.
+from echo_jax.transports import limit_reason, unavailable_reason
+from echo_jax.transports import xla as _xla
+from echo_jax.transports.base import (DEFAULT_TIMEOUT_S, MAX_GROUP_SIZE, MAX_SEGMENT_ELEMS,
+                                      TIMEOUT_ENV, build_mismatch, factor_operand,
+                                      runtime_ffi_api)
+from echo_jax.transports.base import timeout_ms as _timeout_ms  # noqa: F401
+from echo_jax.transports.cpu import (DEBUG_FAILING_STAGES, DTYPES, MAX_RANKS, POLICY_CODES,
+                                     TARGET, TARGET_COMPENSATED, available_platforms, build_info,
+                                     debug_absent_rank, debug_failing_rank, registry_stats)
 
 
 def choose(config: EchoConfig, axis_name=None, num_elements=None) -> str:
@@ -235,145 +46,16 @@ def choose(config: EchoConfig, axis_name=None, num_elements=None) -> str:
     Raises:
       ValueError: config.transport == "p2p" but the custom call cannot run here (says why).
     """
-    if config.transport == "xla":
-        return "xla"
-    reason = unavailable_reason(axis_name)
-    if reason is None and axis_name is not None and num_elements is not None:
-        reason = limit_reason(config, int(num_elements), lax.axis_size(axis_name))
-    if reason is None:
-        return "p2p"
-    if config.transport == "p2p":
-        raise ValueError(f"EchoConfig.transport='p2p' cannot run here: {reason}. Use "
-                         "transport='auto' (falls back to 'xla') or transport='xla'.")
-    return "xla"
+    return transports.resolve(config, axis_name, num_elements, honor_env=False)
 
 
-def _timeout_ms() -> int:
-    raw = os.environ.get(TIMEOUT_ENV, "")
-    if raw.strip() == "":
-        return int(DEFAULT_TIMEOUT_S * 1000)
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = float("nan")
-    if not 0.001 <= seconds <= 86400.0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds in [0.001, 86400], "
-                         f"got {raw!r}")
-    return max(1, int(round(seconds * 1000)))
-
-
-@contextlib.contextmanager
-def debug_absent_rank(rank: int):
-    """Test hook: calls *traced* inside this context make `rank` join its group and then leave
-    without taking part, as a peer that never arrives would; the other ranks time out after
-    ECHO_JAX_TIMEOUT_S with an error that names the stage, the group and the missing rank."""
-    global _debug_absent_rank
-    previous, _debug_absent_rank = _debug_absent_rank, int(rank)
-    try:
-        yield
-    finally:
-        _debug_absent_rank = previous
-
-
-@contextlib.contextmanager
-def debug_failing_rank(rank: int, cause: str, stage: str = "validate"):
-    """Test hook: in calls *traced* inside this context, `rank` fails on purpose with `cause`,
-    as a rank whose handler hits an error it knows about would.
-
-    stage "validate": the rank's validation fails, before it joins its group; "push": it fails
-    in the push stage, after it joined its group and wrote part of its contribution; "tail": it
-    fails after its tail, when its peers have all they need from it for this call (they fail at
-    their next call of the same call site in the execution). The rank raises an error with
-    `cause`; the CPU handler tells its peers, which fail at once with "rank <rank> of the group
-    failed (...): <cause>" instead of waiting for ECHO_JAX_TIMEOUT_S.
-    """
-    global _debug_failing
-    if stage not in DEBUG_FAILING_STAGES:
-        raise ValueError(f"debug_failing_rank: stage must be one of "
-                         f"{sorted(DEBUG_FAILING_STAGES)}, got {stage!r}")
-    previous, _debug_failing = _debug_failing, (int(rank), DEBUG_FAILING_STAGES[stage], str(cause))
-    try:
-        yield
-    finally:
-        _debug_failing = previous
-
-
-def _coords(axis):
-    """int32 [2]: this rank's index on `axis` and the id of its group (the other manual axes)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    rank = lax.axis_index(axis).astype(jnp.int32)
-    group = jnp.int32(0)
-    for name, size in zip(mesh.axis_names, mesh.axis_sizes):
-        if name == axis or name not in mesh.manual_axes or size == 1:
-            continue
-        group = group * jnp.int32(size) + lax.axis_index(name).astype(jnp.int32)
-    return jnp.stack([rank, jnp.broadcast_to(group, rank.shape).astype(jnp.int32)])
-
-
-def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
-    """Validates a p2p call; returns the common attributes."""
-    if not isinstance(config, EchoConfig):
-        raise ValueError(f"{where}: config must be an EchoConfig, got {type(config).__name__}")
-    shape, dtype = jnp.shape(x_flat32), jnp.result_type(x_flat32)
-    if len(shape) != 1 or dtype not in DTYPES:
-        raise ValueError(f"{where}: x_flat32 must be a flat float32, bfloat16 or float16 array, "
-                         f"got {dtype}{list(shape)}; pass jnp.ravel(x) (cast other dtypes to "
-                         "float32 first)")
-    for name, m in states:
-        if jnp.shape(m) != shape or jnp.result_type(m) != jnp.float32:
-            raise ValueError(f"{where}: {name} must be float32{list(shape)} (x_flat32's shape; the "
-                             f"state is fp32 for every dtype of x), got "
-                             f"{jnp.result_type(m)}{list(jnp.shape(m))}; flatten the "
-                             "CompensatorState from echo_jax.init_state(x)")
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)):
-        raise ValueError(f"{where}: num_ranks must be an int, got {num_ranks!r}")
-    num_ranks = int(num_ranks)
-    try:
-        size = lax.axis_size(axis)
-    except NameError:
-        raise ValueError(f"{where}: axis {axis!r} is not bound here; call it inside jax.shard_map "
-                         f"over a mesh with an axis {axis!r}") from None
-    if size != num_ranks:
-        raise ValueError(f"{where}: num_ranks={num_ranks} but axis {axis!r} has size {size}")
-    n = shape[0]
-    reason = limit_reason(config, n, num_ranks)
-    if reason is not None:
-        raise ValueError(f"{where}: {reason} (axis {axis!r}); use transport='xla'")
-    from echo_jax.collective import segment_layout
-    seg_groups, _ = segment_layout(n, num_ranks, config.group_size)
-    return dict(num_ranks=num_ranks, bits=int(config.bits), group_size=int(config.group_size),
-                policy=POLICY_CODES[config.policy], segment_groups=int(seg_groups),
-                site=next(_sites), timeout_ms=_timeout_ms(),
-                debug_absent_rank=int(_debug_absent_rank) if _debug_absent_rank < num_ranks
-                else -1,
-                debug_failing_rank=_debug_failing[0] if _debug_failing[0] < num_ranks else -1,
-                debug_failing_stage=_debug_failing[1], debug_failure=_debug_failing[2])
-
-
-def _resolve(where, axis, config, x_flat32, num_ranks):
-    """None when the custom call runs; otherwise the reason (for the 'auto' fallback)."""
-    reason = unavailable_reason(axis)
-    if reason is None and isinstance(config, EchoConfig) and jnp.ndim(x_flat32) == 1:
-        reason = limit_reason(config, int(jnp.shape(x_flat32)[0]), int(num_ranks))
-    if reason is not None and config.transport == "p2p":
-        raise ValueError(f"{where}: EchoConfig.transport='p2p' cannot run here: {reason}. Use "
-                         "transport='auto' (falls back to 'xla') or transport='xla'.")
-    return reason
-
-
-def factor_operand(factor, like=None):
-    """The custom call's factor operand: f32[1], the rescaling's power of two (1 when None).
-
-    Args:
-      factor: None or an f32 scalar (echo_jax.collective.rescale_factor).
-      like: an operand whose varying mesh axes the factor takes (a shard_map type check wants
-        the operands of one call typed alike).
-    """
-    f = jnp.ones((1,), jnp.float32) if factor is None else \
-        jnp.reshape(jnp.asarray(factor, jnp.float32), (1,))
-    if like is not None:
-        f = _compat.to_varying(f, _compat.varying_axes(like))
-    return f
+def _select(where, axis, config, x_flat32, num_ranks):
+    """The transport an explicit p2p call runs: the custom call, or "xla" for the fallback."""
+    sized = isinstance(config, EchoConfig) and jnp.ndim(x_flat32) == 1
+    requested = "p2p" if getattr(config, "transport", None) == "p2p" else "auto"
+    return transports.select(config, axis, int(jnp.shape(x_flat32)[0]) if sized else None,
+                             num_ranks=int(num_ranks) if sized else None, transport=requested,
+                             where=where, honor_env=False)
 
 
 def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=None):
@@ -396,22 +78,8 @@ def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=Non
       [n] in x's dtype, identical on every rank (typed like lax.psum's result): the fp32 sum
       rounded to x's dtype.
     """
-    where = "p2p_allreduce"
-    if _resolve(where, axis, config, x_flat32, num_ranks) is not None:
-        from echo_jax.collective import xla_allreduce_scaled
-        return xla_allreduce_scaled(x_flat32, axis, num_ranks, config, factor)
-    if _on_gpu():
-        from echo_jax import p2p_cuda
-        y = p2p_cuda.rank_allreduce(x_flat32, axis, num_ranks, config, factor=factor)
-        return _compat.to_varying(y, _compat.varying_axes(x_flat32) - {axis})
-    attrs = _check_call(where, x_flat32, axis, num_ranks, config)
-    _register(_current_platform(jax.sharding.get_abstract_mesh()))
-    n = jnp.shape(x_flat32)[0]
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n,), x_flat32.dtype),
-                            vmap_method="sequential")
-    coords = _coords(axis)
-    y = call(x_flat32, coords, factor_operand(factor, coords), **attrs)
-    return _compat.to_varying(y, _compat.varying_axes(x_flat32) - {axis})
+    transport = _select("p2p_allreduce", axis, config, x_flat32, num_ranks)
+    return transport.allreduce(x_flat32, axis, num_ranks, config, factor=factor)
 
 
 def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
@@ -422,7 +90,7 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     update u = x' - y/P, m_j = beta_j m_j + (1 - beta_j) u inside the call once y is known; m1 and
     m2 are updated in place (input_output_aliases). Equal, bit for bit, to
     `comp.apply_correction` + `xla_allreduce` + `comp.update_state` on x.astype(f32), the sum
-    then cast to x's dtype.
+    then cast to x's dtype (which is what runs where the custom call cannot).
 
     Args:
       x_flat32: [n] contribution before correction, float32, bfloat16 or float16 (passed to the
@@ -441,84 +109,20 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
             raise ValueError(f"{where}: {name} must be float32 (the fused call takes an fp32 "
                              f"state only), got {jnp.result_type(m)}; echo_psum runs a "
                              "bfloat16 state unfused")
+    transport = _select(where, axis, config, x_flat32, num_ranks)
+    if transports.has_fused_compensation(transport):
+        return transport.allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks,
+                                               config, factor=factor)
     k = comp.Coefficients.from_config(config)
-    if _resolve(where, axis, config, x_flat32, num_ranks) is not None:
-        from echo_jax.collective import xla_allreduce_scaled
-        state = comp.CompensatorState(m1_flat, m2_flat)
-        x_prime = comp.apply_correction(x_flat32.astype(jnp.float32), state, k)
-        y = xla_allreduce_scaled(x_prime, axis, num_ranks, config, factor)
-        new = comp.update_state(x_prime, y, num_ranks, state, k)
-        return y.astype(x_flat32.dtype), new.m1, new.m2
-    # ffi_call results are typed invariant; type them as the xla transport's are.
-    varying = (_compat.varying_axes(x_flat32) | _compat.varying_axes(m1_flat)
-               | _compat.varying_axes(m2_flat))
-    if _on_gpu():
-        from echo_jax import p2p_cuda
-        y, new = p2p_cuda.rank_allreduce(x_flat32, axis, num_ranks, config,
-                                         comp.CompensatorState(m1_flat, m2_flat), factor=factor)
-        return (_compat.to_varying(y, varying - {axis}), _compat.to_varying(new.m1, varying),
-                _compat.to_varying(new.m2, varying))
-    attrs = _check_call(where, x_flat32, axis, num_ranks, config,
-                        states=(("m1_flat", m1_flat), ("m2_flat", m2_flat)))
-    _register(_current_platform(jax.sharding.get_abstract_mesh()))
-    n = jnp.shape(x_flat32)[0]
-    y_type = jax.ShapeDtypeStruct((n,), x_flat32.dtype)
-    m_type = jax.ShapeDtypeStruct((n,), jnp.float32)
-    call = jax.ffi.ffi_call(TARGET_COMPENSATED, (y_type, m_type, m_type), vmap_method="sequential",
-                            input_output_aliases={1: 1, 2: 2})
-    f32 = np.float32
-    coords = _coords(axis)
-    y, m1, m2 = call(x_flat32, m1_flat, m2_flat, coords, factor_operand(factor, coords), **attrs,
-                     ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2),
-                     c2=f32(k.c2), inv_ranks=f32(1.0 / int(num_ranks)))
-    return (_compat.to_varying(y, varying - {axis}), _compat.to_varying(m1, varying),
-            _compat.to_varying(m2, varying))
-
-
-def build_info() -> dict:
-    """The XLA FFI headers echo_jax._ffi was compiled against: {"jaxlib": release or "unknown",
-    "xla_ffi_api": (major, minor)}; empty without the extension. The install takes them from the
-    jaxlib it runs with (CMakeLists.txt); reinstall (`pip install -e .`) after changing jaxlib."""
-    return dict(_ffi.build_info()) if _ffi is not None else {}
-
-
-@functools.lru_cache(maxsize=None)
-def runtime_ffi_api() -> tuple[int, int] | None:
-    """(major, minor) XLA FFI API version of the running jaxlib, read from the headers it ships
-    (`jax.ffi.include_dir()`); None where they cannot be read."""
-    try:
-        with open(os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")) as f:
-            text = f.read()
-    except (OSError, AttributeError):
-        return None
-    found = [re.search(rf"#define\s+XLA_FFI_API_{part}\s+(\d+)", text)
-             for part in ("MAJOR", "MINOR")]
-    return None if None in found else (int(found[0].group(1)), int(found[1].group(1)))
-
-
-def build_mismatch(info: dict, module: str) -> str | None:
-    """Why the running XLA would reject the handlers of a module built with these headers (None
-    when it accepts them). XLA registers a handler of its own FFI API major version and a minor
-    version up to its own: a module built against an older jaxlib's headers runs under a newer
-    jaxlib, one built against a newer jaxlib's headers is refused by an older one."""
-    runtime = runtime_ffi_api()
-    if not info or runtime is None:
-        return None
-    built = tuple(int(v) for v in info["xla_ffi_api"])
-    if built[0] == runtime[0] and built[1] <= runtime[1]:
-        return None
-    import jaxlib
-    return (f"{module} was compiled against the XLA FFI headers of jaxlib {info['jaxlib']} "
-            f"(FFI API {built[0]}.{built[1]}), which this jaxlib {jaxlib.__version__} (FFI API "
-            f"{runtime[0]}.{runtime[1]}) refuses; reinstall echo_jax (`pip install -e .`) with "
-            "this jaxlib installed, so that it is rebuilt against its headers")
-
-
-def registry_stats() -> dict:
-    """Counts of the CPU handler's persistent workspaces, joins in flight and bindings."""
-    return dict(_ffi.registry_stats()) if _ffi is not None else {}
+    state = comp.CompensatorState(m1_flat, m2_flat)
+    x_prime = comp.apply_correction(x_flat32.astype(jnp.float32), state, k)
+    y = _xla.xla_allreduce_scaled(x_prime, axis, num_ranks, config, factor)
+    new = comp.update_state(x_prime, y, num_ranks, state, k)
+    return y.astype(x_flat32.dtype), new.m1, new.m2
 
 
 __all__ = ["choose", "unavailable_reason", "limit_reason", "available_platforms", "p2p_allreduce",
            "p2p_allreduce_compensated", "debug_absent_rank", "debug_failing_rank", "build_info",
-           "runtime_ffi_api", "build_mismatch", "registry_stats", "TIMEOUT_ENV", "POLICY_CODES"]
+           "runtime_ffi_api", "build_mismatch", "registry_stats", "factor_operand", "TIMEOUT_ENV",
+           "DEFAULT_TIMEOUT_S", "POLICY_CODES", "TARGET", "TARGET_COMPENSATED", "MAX_RANKS",
+           "MAX_GROUP_SIZE", "MAX_SEGMENT_ELEMS", "DTYPES", "DEBUG_FAILING_STAGES"]

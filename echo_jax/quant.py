@@ -87,13 +87,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-POLICIES = ("asym", "sym", "asym_naive")
+from echo_jax import policies as _policies
+from echo_jax.policies import num_params  # noqa: F401  (re-export: the table is its home)
 
-
-def num_params(policy: str) -> int:
-    """fp16 parameters per group: 1 for sym (scale), 2 for asym (scale, zero-point)."""
-    _check_policy(policy)
-    return 1 if policy == "sym" else 2
+#: The policy names, in the order of their custom-call codes (`echo_jax.policies.NAMES`).
+POLICIES = _policies.NAMES
 
 
 def code_bytes(group_size: int, bits: int) -> int:
@@ -103,7 +101,7 @@ def code_bytes(group_size: int, bits: int) -> int:
 
 def wire_bytes_per_group(group_size: int, bits: int, policy: str) -> int:
     """Bytes on the wire per group: codes plus fp16 parameters (68 for g=128, 4-bit asym)."""
-    return code_bytes(group_size, bits) + 2 * num_params(policy)
+    return _policies.wire_bytes_per_group(group_size, bits, policy)
 
 
 def _check_policy(policy):

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from echo_jax import _compat, collective
-from echo_jax.compensator import CompensatorState, init_state
+from echo_jax.compensator import CompensatorState, init_state, to_varying_state
 from echo_jax.config import EchoConfig
 
 SiteConfig = Optional[EchoConfig]
@@ -58,16 +58,9 @@ def _reduce_site(x, axis, config: SiteConfig, state, rescale, exact_in_f32):
     return _reduce(x, axis, config, state, rescale)
 
 
-def _as_varying_state(state, axis):
-    if state is None:
-        return None
-    return CompensatorState(_compat.to_varying(state.m1, axis),
-                            _compat.to_varying(state.m2, axis))
-
-
 def _reduce_switch(x, axis, configs: SiteConfigs, choice, state, rescale, exact_in_f32=False):
     """`_reduce` under one of several static configs, chosen by a (possibly traced) index."""
-    state = _as_varying_state(state, axis)
+    state = to_varying_state(state, axis)
     if not isinstance(configs, (tuple, list)):
         return _reduce_site(x, axis, configs, state, rescale, exact_in_f32)
     configs = tuple(configs)
@@ -82,7 +75,7 @@ def _reduce_switch(x, axis, configs: SiteConfigs, choice, state, rescale, exact_
 
 def _branch(x, state, *, axis, config, rescale, exact_in_f32):
     y, s = _reduce_site(x, axis, config, state, rescale, exact_in_f32)
-    return y, _as_varying_state(s, axis)
+    return y, to_varying_state(s, axis)
 
 
 def _check_configs(configs: SiteConfigs, where: str):
@@ -173,7 +166,7 @@ def backward_site(x, axis_name, config: SiteConfigs, bwd_state: CompensatorState
                          "(use echo_jax.init_state(x))")
     x_varies = _compat.varies_over(x, axis_name)
     # The live state is per rank, so its cotangent is varying: type the primal the same way.
-    bwd_state = _as_varying_state(bwd_state, axis_name)
+    bwd_state = to_varying_state(bwd_state, axis_name)
     return _backward_site(x, bwd_state, choice, axis_name, config, rescale, x_varies,
                           bool(exact_in_f32))
 

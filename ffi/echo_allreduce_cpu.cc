@@ -147,7 +147,7 @@ constexpr size_t kMaxCachedBindings = 1 << 14;  // (device, call site) bindings
 
 using Clock = std::chrono::steady_clock;
 
-// Stages of the test hook debug_failing_rank (echo_jax/p2p.py `debug_failing_rank`).
+// Stages of the test hook debug_failing_rank (echo_jax/transports/cpu.py `debug_failing_rank`).
 constexpr int64_t kFailValidate = 0;  // the rank's validation fails, before it joins its group
 constexpr int64_t kFailPush = 1;      // the rank fails in push, after it joined and wrote a slot
 constexpr int64_t kFailTail = 2;      // the rank fails after its tail: its peers have its data
@@ -226,7 +226,7 @@ uint64_t Mix(uint64_t h, uint64_t v) {
   return h;
 }
 
-// Reads and validates the attributes (limits documented in echo_jax/p2p.py).
+// Reads and validates the attributes (limits documented in echo_jax/transports/cpu.py).
 ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, ffi::DataType dtype,
                                      bool compensated) {
   CallConfig c{};
@@ -237,18 +237,13 @@ ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, ff
                             GetAttrInRange<int64_t>(attrs, "num_ranks", 1, echo::kMaxRanks, kWhere,
                                                     "ranks in the group, the axis size P"));
   ECHO_FFI_ASSIGN_OR_RETURN(int64_t bits, GetAttr<int64_t>(attrs, "bits", kWhere));
-  ECHO_FFI_CHECK(bits == 4 || bits == 8, kWhere, "attribute 'bits' must be 4 or 8, got ", bits);
-  ECHO_FFI_ASSIGN_OR_RETURN(
-      int64_t g, GetAttrInRange<int64_t>(attrs, "group_size", 1, echo::kMaxGroupSize, kWhere,
-                                         "values per quantization group"));
-  ECHO_FFI_CHECK(bits == 8 || g % 2 == 0, kWhere,
-                 "attribute 'group_size' must be even at 4 bits (two codes a byte), got ", g);
-  ECHO_FFI_ASSIGN_OR_RETURN(
-      int64_t policy, GetAttrInRange<int64_t>(attrs, "policy", 0, 2, kWhere,
-                                              "0 = asym, 1 = sym, 2 = asym_naive"));
+  ECHO_FFI_ASSIGN_OR_RETURN(int64_t g, GetAttr<int64_t>(attrs, "group_size", kWhere));
+  ECHO_FFI_ASSIGN_OR_RETURN(int64_t policy, GetAttr<int64_t>(attrs, "policy", kWhere));
+  const std::string format = echo::format_error(bits, g, policy);
+  ECHO_FFI_CHECK(format.empty(), kWhere, "attribute ", format);
   ECHO_FFI_ASSIGN_OR_RETURN(int64_t seg_groups,
                             GetAttr<int64_t>(attrs, "segment_groups", kWhere));
-  // The wire layout of echo_jax.collective.segment_layout: ceil(ceil(max(n, 1) / g) / P).
+  // The wire layout of echo_jax.transports.base.segment_layout: ceil(ceil(max(n, 1) / g) / P).
   const int64_t groups = (std::max<int64_t>(n, 1) + g - 1) / g;
   const int64_t expect = (groups + num_ranks - 1) / num_ranks;
   ECHO_FFI_CHECK(seg_groups == expect, kWhere, "attribute 'segment_groups' is ", seg_groups,
@@ -1274,7 +1269,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<echo_jax::Buffer_Type>()            // y: [n] x's dtype, the sum, same on every rank
         .Attrs());  // num_ranks, bits, group_size, policy, segment_groups, site, timeout_ms,
                     // debug_absent_rank, debug_failing_rank, debug_failing_stage,
-                    // debug_failure (see echo_jax/p2p.py)
+                    // debug_failure (see echo_jax/transports/cpu.py)
 
 // echo_jax_allreduce_compensated (platform "cpu"): Algorithm 1 fused into the all-reduce.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

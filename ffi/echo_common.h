@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #if defined(__CUDACC__)
 #define ECHO_HD __host__ __device__ __forceinline__
@@ -32,13 +33,35 @@
 
 namespace echo {
 
-// Policy codes of the FFI attribute "policy"; the order of echo_jax.quant.POLICIES.
+// Policy codes of the FFI attribute "policy": the table of echo_jax/policies.py, in its order.
 enum Policy : int { kPolicyAsym = 0, kPolicySym = 1, kPolicyAsymNaive = 2 };
+constexpr int kNumPolicies = 3;  // codes 0 .. kNumPolicies - 1
 
-// Limits shared by the handlers and the Python wrapper (echo_jax/p2p.py checks them first).
+// Limits shared by the handlers and the Python side (echo_jax/transports/base.py checks first).
 constexpr int kMaxRanks = 256;             // ranks per group (num_ranks)
 constexpr int kMaxGroupSize = 1 << 16;     // values per quantization group (group_size)
 constexpr int64_t kMaxSegmentElems = (int64_t{1} << 31) - 1;  // segment_groups * group_size
+
+// The one check of a wire format, shared by every handler (CPU custom call, host utilities,
+// CUDA kernels): "" when (bits, group_size, policy code) is valid, else a sentence that names the
+// bad value. max_group_size is the handler's limit on group_size (the quantize kernels have none).
+inline std::string format_error(int64_t bits, int64_t group_size, int64_t policy,
+                                int64_t max_group_size = kMaxGroupSize) {
+  if (bits != 4 && bits != 8) return "bits must be 4 or 8, got " + std::to_string(bits);
+  if (group_size < 1 || group_size > max_group_size) {
+    return "group_size must be in [1, " + std::to_string(max_group_size) + "], got " +
+           std::to_string(group_size);
+  }
+  if (bits == 4 && group_size % 2) {
+    return "group_size must be even at 4 bits (two codes a byte), got " +
+           std::to_string(group_size);
+  }
+  if (policy < 0 || policy >= kNumPolicies) {
+    return "policy code must be in [0, " + std::to_string(kNumPolicies - 1) +
+           "] (0 = asym, 1 = sym, 2 = asym_naive), got " + std::to_string(policy);
+  }
+  return "";
+}
 
 // fp16 bit patterns used by the wire format.
 constexpr uint16_t kF16NaN = 0x7E00;       // jnp.float16(jnp.nan): the scale of a non-finite group

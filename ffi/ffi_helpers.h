@@ -111,7 +111,7 @@ struct AttrTypeName<std::string_view> {
 };
 
 // Reads attribute `name` of type T, with an error that names the attribute, the expected type
-// and what to do about it (the attributes are written by echo_jax/p2p.py; a mismatch means the
+// and what to do about it (the attributes are written by echo_jax/transports; a mismatch means the
 // Python package and the compiled extension come from different versions).
 template <typename T>
 ffi::ErrorOr<T> GetAttr(const Dictionary_Type& attrs, std::string_view name,

@@ -1,7 +1,7 @@
 // nanobind module echo_jax._ffi: the Echo custom-call handlers as PyCapsules for
-// jax.ffi.register_ffi_target (see echo_jax/p2p.py), plus small host utilities: the workspace
-// registry's statistics and release, and the C++ quantizer (ffi/echo_common.h) on NumPy arrays
-// so that tests can compare it with the pure-JAX reference directly.
+// jax.ffi.register_ffi_target (echo_jax/transports/cpu.py), plus small host utilities: the
+// workspace registry's statistics and release, and the C++ quantizer (ffi/echo_common.h) on
+// NumPy arrays, so that tests can compare it with the pure-JAX reference directly.
 
 #include <cstdint>
 #include <cstring>
@@ -46,14 +46,8 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 }
 
 void CheckFormat(int64_t group_size, int bits, int policy) {
-  if (bits != 4 && bits != 8) throw nb::value_error("bits must be 4 or 8");
-  if (policy < 0 || policy > 2) {
-    throw nb::value_error("policy must be 0 (asym), 1 (sym) or 2 (asym_naive)");
-  }
-  if (group_size < 1 || group_size > echo::kMaxGroupSize) {
-    throw nb::value_error("group_size must be in [1, 65536]");
-  }
-  if (bits == 4 && group_size % 2) throw nb::value_error("group_size must be even at 4 bits");
+  const std::string err = echo::format_error(bits, group_size, policy);
+  if (!err.empty()) throw nb::value_error(err.c_str());
 }
 
 // Optionally runs the host utilities with subnormals flushed (x86 MXCSR FTZ | DAZ), the

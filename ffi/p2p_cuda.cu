@@ -957,14 +957,8 @@ ffi::Error run_rank_dtype(ffi::DataType dt, Group& grp, int rank, cudaStream_t s
 }
 
 ffi::Error check_attrs(const CallAttrs& at) {
-  if (at.bits != 4 && at.bits != 8)
-    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): bits must be 4 or 8, got " +
-                                       std::to_string(at.bits));
-  if (at.g <= 0 || at.g > kMaxGroupSize || (at.bits == 4 && at.g % 2))
-    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): bad group_size " + std::to_string(at.g));
-  if (at.policy < 0 || at.policy > 2)
-    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): bad policy code " +
-                                       std::to_string(at.policy));
+  const std::string format = echo::format_error(at.bits, at.g, at.policy);
+  if (!format.empty()) return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): " + format);
   if (at.factor == nullptr)
     return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): the factor operand must be f32[1] "
                                        "(the rescaling's power of two; 1 when not rescaled)");

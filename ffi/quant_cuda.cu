@@ -338,15 +338,9 @@ int grid_for(int64_t groups) {  // generic kernels: one warp per group
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 ffi::Error check(int64_t bits, int64_t g, int64_t policy) {
-  if (bits != 4 && bits != 8)
-    return ffi::Error::InvalidArgument("echo_jax quantize (CUDA): bits must be 4 or 8, got " +
-                                       std::to_string(bits));
-  if (g <= 0 || (bits == 4 && g % 2))
-    return ffi::Error::InvalidArgument("echo_jax quantize (CUDA): bad group_size " +
-                                       std::to_string(g));
-  if (policy < 0 || policy > 2)
-    return ffi::Error::InvalidArgument("echo_jax quantize (CUDA): bad policy code " +
-                                       std::to_string(policy));
+  // No limit on group_size here beyond int64 (the quantize kernels loop over any g).
+  const std::string format = echo::format_error(bits, g, policy, INT64_MAX);
+  if (!format.empty()) return ffi::Error::InvalidArgument("echo_jax quantize (CUDA): " + format);
   return ffi::Error::Success();
 }
 

@@ -84,8 +84,8 @@ def _naive_zero_point():
 
 
 def _own_segment_quantized():
-    from echo_jax import collective
-    mutate(collective, "xla_allreduce",
+    from echo_jax.transports import xla
+    mutate(xla, "xla_allreduce",
            ("lax.dynamic_index_in_dim(segs, me, 0, keepdims=False)",
             "lax.dynamic_index_in_dim(copies, me, 0, keepdims=False)"))
 

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 import echo_jax as ej
+from echo_jax import policies
 from conftest import cuda_handlers, reference_allreduce as reference
 
 pytestmark = pytest.mark.gpu
-POLICIES = ("asym", "sym", "asym_naive")
+POLICIES = policies.NAMES  # ("asym", "sym", "asym_naive")
 
 
 @pytest.fixture(scope="module")

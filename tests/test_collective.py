@@ -10,11 +10,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import echo_jax as ej
-from echo_jax import quant
+from echo_jax import policies, quant
 from np_reference import allreduce_error_bound, element_error_bound, max_scale
 from conftest import make_mesh, put
 
-POLICIES = ("asym", "sym", "asym_naive")
+POLICIES = policies.NAMES  # ("asym", "sym", "asym_naive")
 
 
 def run_shard_map(x, cfg, state=None, rescale=False):

@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec as P
 import echo_jax as ej
 from echo_jax import collective
 from echo_jax import compensator as comp
-from echo_jax import p2p, quant
+from echo_jax import p2p, policies, quant
 
-POLICIES = ("asym", "sym", "asym_naive")
+POLICIES = policies.NAMES  # ("asym", "sym", "asym_naive")
 CONFIGS = [(b, p) for b in (4, 8) for p in POLICIES]
 SIZES = (1, 127, 1000, 4099)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -149,7 +149,8 @@ def test_a_module_the_runtime_refuses_falls_back_with_the_reason(monkeypatch):
     if minor > 0:  # older headers: XLA accepts them (a jaxlib 0.11.2 build runs under 0.12)
         assert p2p.build_mismatch({"jaxlib": "x", "xla_ffi_api": (major, minor - 1)}, "m") is None
     assert p2p.build_mismatch({"jaxlib": "x", "xla_ffi_api": (major + 1, 0)}, "m") is not None
-    monkeypatch.setattr(p2p, "build_info", lambda: newer)
+    from echo_jax.transports import cpu
+    monkeypatch.setattr(cpu, "build_info", lambda: newer)  # the CPU transport's own check
     reason = p2p.unavailable_reason("tp")
     assert "jaxlib 99.0" in reason and "pip install -e ." in reason, reason
     assert p2p.choose(ej.EchoConfig(transport="auto"), "tp") == "xla"

@@ -20,12 +20,12 @@ from jax.sharding import PartitionSpec as PS
 
 import echo_jax as ej
 from echo_jax import _compat
-from echo_jax import p2p
+from echo_jax import p2p, policies
 from echo_jax import quant
 from conftest import cuda_handlers, reference_allreduce
 
 pytestmark = pytest.mark.gpu
-POLICIES = ("asym", "sym", "asym_naive")
+POLICIES = policies.NAMES  # ("asym", "sym", "asym_naive")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,201 @@
+"""What the transports share: the wire layout, the custom calls' limits and context checks.
+
+Nothing here imports another transport, so every transport module can import it (and
+`echo_jax.transports.xla`) without a cycle.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+
+from echo_jax import _compat
+
+#: Environment variable: seconds a rank waits for a peer before the call fails (default 10);
+#: read by the CPU and the CUDA custom calls alike.
+TIMEOUT_ENV = "ECHO_JAX_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 10.0
+
+#: Limits of the custom calls' attributes (ffi/echo_common.h has the same values).
+MAX_GROUP_SIZE = 1 << 16
+MAX_SEGMENT_ELEMS = 2 ** 31 - 1
+
+_PLATFORM_ALIASES = {"cuda": "cuda", "gpu": "cuda", "rocm": "rocm", "cpu": "cpu"}
+
+
+def segment_layout(num_elements: int, num_ranks: int, group_size: int):
+    """The wire layout of the Echo protocol: P segments of Gs whole groups each.
+
+    Args:
+      num_elements: n, elements of one rank's flat contribution.
+      num_ranks: P, the size of the reduced axis.
+      group_size: g, values per quantization group.
+
+    Returns:
+      (groups per segment Gs = ceil(ceil(max(n, 1) / g) / P), padded length P * Gs * g).
+    """
+    groups = -(-max(num_elements, 1) // group_size)
+    per_segment = -(-groups // num_ranks)
+    return per_segment, num_ranks * per_segment * group_size
+
+
+def typed_like_psum(y, axis, *operands):
+    """y typed as varying over the operands' varying axes except `axis`, as `lax.psum`'s result
+    is (an ffi_call's results are typed invariant; the "xla" transport's are typed this way).
+
+    Args:
+      y: a result of the all-reduce over `axis`.
+      axis: the reduced axis.
+      *operands: the call's operands whose varying axes y inherits.
+    """
+    varying = frozenset().union(*(_compat.varying_axes(o) for o in operands))
+    return _compat.to_varying(y, varying - {axis})
+
+
+def factor_operand(factor, like=None):
+    """The custom calls' factor operand (CPU and CUDA): f32[1], the rescaling's power of two, 1
+    when None.
+
+    Args:
+      factor: None or an f32 scalar (echo_jax.collective.rescale_factor).
+      like: an operand whose varying mesh axes the factor takes (a shard_map type check wants
+        the operands of one call typed alike).
+    """
+    f = jnp.ones((1,), jnp.float32) if factor is None else \
+        jnp.reshape(jnp.asarray(factor, jnp.float32), (1,))
+    if like is not None:
+        f = _compat.to_varying(f, _compat.varying_axes(like))
+    return f
+
+
+def current_platform(mesh=None) -> str:
+    """The platform a call traced here runs on ("cpu", "cuda", ...), from the abstract mesh's
+    device where it has one, else JAX's default backend.
+
+    Args:
+      mesh: an abstract mesh (default: the one of the enclosing shard_map).
+    """
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    device = getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None) if device is not None else None
+    if not platform:
+        platform = jax.default_backend()
+    return _PLATFORM_ALIASES.get(str(platform).lower(), str(platform).lower())
+
+
+def on_gpu() -> bool:
+    """Whether a call traced here runs on an NVIDIA GPU."""
+    return current_platform() in ("gpu", "cuda")
+
+
+def context_reason(axis_name=None) -> str | None:
+    """Why no custom call can run in this tracing context (None when the context allows one).
+
+    A custom call needs one process, and a `jax.shard_map` in which the reduced axis and every
+    other mesh axis of size > 1 are manual: under `jax.vmap(..., axis_name=...)` the ranks are
+    batch entries of one device, and a call that waits for its peers would deadlock.
+
+    Args:
+      axis_name: the axis to reduce over, if known; without it only the context is checked.
+    """
+    if jax.process_count() > 1:
+        return (f"this run has {jax.process_count()} processes and the CPU custom call shares "
+                "host memory between the ranks of one process")
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    if mesh.empty or not manual:
+        return ("it is not called inside jax.shard_map (the custom call needs one device per rank; "
+                "under jax.vmap(..., axis_name=...) or outside shard_map only 'xla' runs)")
+    if axis_name is not None and axis_name not in manual:
+        return (f"axis {axis_name!r} is not a manual axis of the enclosing shard_map (manual: "
+                f"{sorted(manual)}); a jax.vmap axis runs the 'xla' transport, since the vmapped "
+                "ranks of a custom call would wait for each other forever")
+    auto = [a for a, s in zip(mesh.axis_names, mesh.axis_sizes) if a not in manual and s > 1]
+    if auto:
+        return (f"mesh axes {auto} are not manual inside this shard_map, so XLA would replicate "
+                "the custom call over them; shard_map over every mesh axis of size > 1")
+    return None
+
+
+def limit_reason(config, num_elements: int, num_ranks: int, max_ranks: int) -> str | None:
+    """Why a custom call's size limits rule this call out (None when it is within them).
+
+    Args:
+      config: the call's EchoConfig (its group size).
+      num_elements: elements of one rank's flat contribution.
+      num_ranks: the size P of the reduced axis.
+      max_ranks: the custom call's limit on P.
+    """
+    if not 1 <= num_ranks <= max_ranks:
+        return f"the custom call supports 1..{max_ranks} ranks, the axis has {num_ranks}"
+    g = config.group_size
+    if g > MAX_GROUP_SIZE:
+        return (f"EchoConfig.group_size={g} exceeds the custom call's limit of "
+                f"{MAX_GROUP_SIZE}")
+    seg_groups, _ = segment_layout(num_elements, num_ranks, g)
+    if seg_groups * g > MAX_SEGMENT_ELEMS:
+        return (f"{num_elements} elements over {num_ranks} ranks make segments of "
+                f"{seg_groups * g} elements, above the custom call's limit of 2^31-1; split the "
+                "all-reduce")
+    return None
+
+
+def timeout_ms() -> int:
+    """The bound on every wait for a peer (ECHO_JAX_TIMEOUT_S), read when a call is traced."""
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    if raw.strip() == "":
+        return int(DEFAULT_TIMEOUT_S * 1000)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 0.001 <= seconds <= 86400.0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds in [0.001, 86400], "
+                         f"got {raw!r}")
+    return max(1, int(round(seconds * 1000)))
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_ffi_api() -> tuple[int, int] | None:
+    """(major, minor) XLA FFI API version of the running jaxlib, read from the headers it ships
+    (`jax.ffi.include_dir()`); None where they cannot be read."""
+    try:
+        with open(os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")) as f:
+            text = f.read()
+    except (OSError, AttributeError):
+        return None
+    found = [re.search(rf"#define\s+XLA_FFI_API_{part}\s+(\d+)", text)
+             for part in ("MAJOR", "MINOR")]
+    return None if None in found else (int(found[0].group(1)), int(found[1].group(1)))
+
+
+def build_mismatch(info: dict, module: str) -> str | None:
+    """Why the running XLA would reject the handlers of a module built with these headers (None
+    when it accepts them). XLA registers a handler of its own FFI API major version and a minor
+    version up to its own: a module built against an older jaxlib's headers runs under a newer
+    jaxlib, one built against a newer jaxlib's headers is refused by an older one.
+
+    Args:
+      info: the module's build_info() ({"jaxlib", "xla_ffi_api"}; empty: nothing to check).
+      module: its name, for the message.
+    """
+    runtime = runtime_ffi_api()
+    if not info or runtime is None:
+        return None
+    built = tuple(int(v) for v in info["xla_ffi_api"])
+    if built[0] == runtime[0] and built[1] <= runtime[1]:
+        return None
+    import jaxlib
+    return (f"{module} was compiled against the XLA FFI headers of jaxlib {info['jaxlib']} "
+            f"(FFI API {built[0]}.{built[1]}), which this jaxlib {jaxlib.__version__} (FFI API "
+            f"{runtime[0]}.{runtime[1]}) refuses; reinstall echo_jax (`pip install -e .`) with "
+            "this jaxlib installed, so that it is rebuilt against its headers")
+
+
+__all__ = ["segment_layout", "typed_like_psum", "factor_operand", "current_platform", "on_gpu",
+           "context_reason", "limit_reason", "timeout_ms", "runtime_ffi_api", "build_mismatch",
+           "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "MAX_GROUP_SIZE", "MAX_SEGMENT_ELEMS"]

@@ -1,0 +1,330 @@
+"""The CPU "p2p" transport: the Echo all-reduce as an XLA FFI custom call (module `echo_jax._ffi`).
+
+`allreduce` has the signature of `echo_jax.transports.xla.allreduce` and returns the same bits;
+`allreduce_compensated` fuses Algorithm 1 of the Echo paper into the call and returns the same
+bits as `compensator.apply_correction` + `xla_allreduce` + `compensator.update_state`. Both run
+inside `jax.shard_map`: every rank of the reduced axis is one device, and the ranks of a group
+meet inside the custom call (on CPU: host threads over shared memory, see
+ffi/echo_allreduce_cpu.cc). The protocol and the wire format are those of `collective.py` and
+`quant.py`.
+
+On CPU (ffi/echo_allreduce_cpu.cc) the handler is asynchronous: each rank's call returns a
+future to XLA and runs push / reduce / gather / tail on a host thread of its own, the ranks meeting
+in a workspace per (call site, devices of the group) that is allocated at the first execution and
+reused by every later one; readiness is one monotone flag per rank whose base rises by 3 per call.
+A rank that waits longer than ECHO_JAX_TIMEOUT_S for a peer fails the execution with an error
+that names the stage, the group, the rank and the missing peer.
+
+`echo_jax.transports.select` says which transport a call runs. This one needs
+
+* a handler for the platform in `echo_jax._ffi` ("cpu"; the GPU custom call is the separate
+  module `echo_jax._ffi_cuda`, the transport `echo_jax.transports.cuda`),
+* one process (the CPU handler shares host memory between the ranks),
+* a `jax.shard_map` in which the reduced axis and every other mesh axis of size > 1 are manual.
+  Under `jax.vmap(..., axis_name=...)` the ranks are batch entries of one device and a custom
+  call that waits for its peers would deadlock, so vmap always runs the "xla" transport.
+
+Attributes and limits (validated here with messages that say what to fix, and again in C++;
+`base.limit_reason` is the one list of the size limits):
+
+=================  =========================================================================
+num_ranks          P, the size of the reduced axis: 1 .. 256
+bits               4 or 8
+group_size         g: 1 .. 65536, even at 4 bits
+policy             int code: 0 = "asym", 1 = "sym", 2 = "asym_naive" (`echo_jax.policies`)
+segment_groups     groups per segment, ceil(ceil(max(n, 1) / g) / P) (`segment_layout`);
+                   segment_groups * g <= 2^31 - 1
+site               id of the traced call site (keeps independent all-reduces of one program
+                   apart; a new id per trace)
+timeout_ms         how long a rank waits for a peer before failing: ECHO_JAX_TIMEOUT_S
+                   (seconds, default 10), read when the call is traced
+debug_absent_rank  test hook (`debug_absent_rank()`), -1 normally
+debug_failing_     test hook (`debug_failing_rank()`): rank (-1 normally), stage (0 = validation,
+rank, _stage,      1 = push, 2 = after the tail) and cause ("" normally) of a rank that fails
+debug_failure      on purpose
+ea, eb, b1, c1,    fp32 coefficients of `compensator.Coefficients` and f32(1/P)
+b2, c2, inv_ranks  (compensated call only)
+=================  =========================================================================
+
+Operands: x [n] in float32, bfloat16 or float16, (m1, m2 fp32 [n] for the compensated call,
+aliased to their outputs), and coords int32 [2] = (axis_index(axis), group id), the group id
+numbering the other manual axes. The sum y has x's dtype: a 16-bit x enters and leaves the call in
+its own dtype (no fp32 copy of it in XLA around the call); the handler loads it to fp32 exactly,
+runs the protocol in fp32 and rounds the sum to x's dtype to nearest even, like
+`xla_allreduce(x.astype(f32)).astype(x.dtype)`. The compensated call keeps its state in fp32 and
+updates it with the fp32 sum, before that rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from echo_jax import _compat
+from echo_jax import compensator as comp
+from echo_jax import policies
+from echo_jax.config import EchoConfig
+from echo_jax.transports import base
+from echo_jax.transports.base import TIMEOUT_ENV, build_mismatch, factor_operand
+
+try:
+    from echo_jax import _ffi
+except ImportError as _err:  # pragma: no cover - only without the compiled extension
+    _ffi = None
+    _IMPORT_ERROR = f"the compiled extension echo_jax._ffi is missing ({_err}); reinstall with " \
+                    "`pip install -e .`"
+else:
+    _IMPORT_ERROR = None
+
+#: The value of `EchoConfig.transport` that selects the custom calls.
+NAME = "p2p"
+
+TARGET = "echo_jax_allreduce"
+TARGET_COMPENSATED = "echo_jax_allreduce_compensated"
+
+MAX_RANKS = 256
+#: dtypes of the contribution x (and of the sum y): the call reads and writes them itself.
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+POLICY_CODES = policies.CODES  # asym 0, sym 1, asym_naive 2
+
+_lock = threading.Lock()
+_registered: set[str] = set()
+_sites = itertools.count(1)
+_debug_absent_rank = -1
+_debug_failing = (-1, 0, "")  # (rank, stage code, cause): see debug_failing_rank
+#: Stages where `debug_failing_rank` makes its rank fail (codes of the attribute).
+DEBUG_FAILING_STAGES = {"validate": 0, "push": 1, "tail": 2}
+
+
+def available_platforms() -> tuple[str, ...]:
+    """Platforms this build has custom-call handlers for (empty without the extension)."""
+    return tuple(_ffi.platforms()) if _ffi is not None else ()
+
+
+def _register(platform: str) -> None:
+    """Registers the FFI targets for `platform` once, after the backend is initialised."""
+    if platform in _registered:
+        return
+    with _lock:
+        if platform in _registered:
+            return
+        jax.devices()  # initialise the backends first: registration needs them
+        if platform == "cpu":
+            for name, capsule in _ffi.registrations().items():
+                jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        _registered.add(platform)
+
+
+def unavailable_reason(axis_name=None) -> str | None:
+    """Why the CPU custom call cannot run here (None when it can).
+
+    Args:
+      axis_name: the axis to reduce over, if known; without it only the context is checked.
+    """
+    if _ffi is None:
+        return _IMPORT_ERROR
+    mismatch = build_mismatch(build_info(), "echo_jax._ffi")
+    if mismatch is not None:
+        return mismatch
+    reason = base.context_reason(axis_name)
+    if reason is not None:
+        return reason
+    platform = base.current_platform()
+    if platform not in available_platforms():
+        return (f"echo_jax._ffi has no handler for platform {platform!r} (it has "
+                f"{list(available_platforms())})")
+    return None
+
+
+def limit_reason(config: EchoConfig, num_elements: int, num_ranks: int) -> str | None:
+    """Why the CPU custom call's size limits rule this call out (None when within them).
+
+    `_check_call` raises with it, and "auto" falls back to "xla" on it (so a call that "xla" can
+    run never fails under "auto").
+
+    Args:
+      config: the call's EchoConfig (its group size).
+      num_elements: elements of one rank's flat contribution.
+      num_ranks: the size P of the reduced axis.
+    """
+    return base.limit_reason(config, num_elements, num_ranks, MAX_RANKS)
+
+
+@contextlib.contextmanager
+def debug_absent_rank(rank: int):
+    """Test hook: calls *traced* inside this context make `rank` join its group and then leave
+    without taking part, as a peer that never arrives would; the other ranks time out after
+    ECHO_JAX_TIMEOUT_S with an error that names the stage, the group and the missing rank."""
+    global _debug_absent_rank
+    previous, _debug_absent_rank = _debug_absent_rank, int(rank)
+    try:
+        yield
+    finally:
+        _debug_absent_rank = previous
+
+
+@contextlib.contextmanager
+def debug_failing_rank(rank: int, cause: str, stage: str = "validate"):
+    """Test hook: in calls *traced* inside this context, `rank` fails on purpose with `cause`,
+    as a rank whose handler hits an error it knows about would.
+
+    stage "validate": the rank's validation fails, before it joins its group; "push": it fails
+    in the push stage, after it joined its group and wrote part of its contribution; "tail": it
+    fails after its tail, when its peers have all they need from it for this call (they fail at
+    their next call of the same call site in the execution). The rank raises an error with
+    `cause`; the CPU handler tells its peers, which fail at once with "rank <rank> of the group
+    failed (...): <cause>" instead of waiting for ECHO_JAX_TIMEOUT_S.
+    """
+    global _debug_failing
+    if stage not in DEBUG_FAILING_STAGES:
+        raise ValueError(f"debug_failing_rank: stage must be one of "
+                         f"{sorted(DEBUG_FAILING_STAGES)}, got {stage!r}")
+    previous, _debug_failing = _debug_failing, (int(rank), DEBUG_FAILING_STAGES[stage], str(cause))
+    try:
+        yield
+    finally:
+        _debug_failing = previous
+
+
+def _coords(axis):
+    """int32 [2]: this rank's index on `axis` and the id of its group (the other manual axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rank = lax.axis_index(axis).astype(jnp.int32)
+    group = jnp.int32(0)
+    for name, size in zip(mesh.axis_names, mesh.axis_sizes):
+        if name == axis or name not in mesh.manual_axes or size == 1:
+            continue
+        group = group * jnp.int32(size) + lax.axis_index(name).astype(jnp.int32)
+    return jnp.stack([rank, jnp.broadcast_to(group, rank.shape).astype(jnp.int32)])
+
+
+def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
+    """Validates a p2p call; returns the common attributes."""
+    if not isinstance(config, EchoConfig):
+        raise ValueError(f"{where}: config must be an EchoConfig, got {type(config).__name__}")
+    shape, dtype = jnp.shape(x_flat32), jnp.result_type(x_flat32)
+    if len(shape) != 1 or dtype not in DTYPES:
+        raise ValueError(f"{where}: x_flat32 must be a flat float32, bfloat16 or float16 array, "
+                         f"got {dtype}{list(shape)}; pass jnp.ravel(x) (cast other dtypes to "
+                         "float32 first)")
+    for name, m in states:
+        if jnp.shape(m) != shape or jnp.result_type(m) != jnp.float32:
+            raise ValueError(f"{where}: {name} must be float32{list(shape)} (x_flat32's shape; the "
+                             f"state is fp32 for every dtype of x), got "
+                             f"{jnp.result_type(m)}{list(jnp.shape(m))}; flatten the "
+                             "CompensatorState from echo_jax.init_state(x)")
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)):
+        raise ValueError(f"{where}: num_ranks must be an int, got {num_ranks!r}")
+    num_ranks = int(num_ranks)
+    try:
+        size = lax.axis_size(axis)
+    except NameError:
+        raise ValueError(f"{where}: axis {axis!r} is not bound here; call it inside jax.shard_map "
+                         f"over a mesh with an axis {axis!r}") from None
+    if size != num_ranks:
+        raise ValueError(f"{where}: num_ranks={num_ranks} but axis {axis!r} has size {size}")
+    n = shape[0]
+    reason = limit_reason(config, n, num_ranks)
+    if reason is not None:
+        raise ValueError(f"{where}: {reason} (axis {axis!r}); use transport='xla'")
+    seg_groups, _ = base.segment_layout(n, num_ranks, config.group_size)
+    return dict(num_ranks=num_ranks, bits=int(config.bits), group_size=int(config.group_size),
+                policy=POLICY_CODES[config.policy], segment_groups=int(seg_groups),
+                site=next(_sites), timeout_ms=base.timeout_ms(),
+                debug_absent_rank=int(_debug_absent_rank) if _debug_absent_rank < num_ranks
+                else -1,
+                debug_failing_rank=_debug_failing[0] if _debug_failing[0] < num_ranks else -1,
+                debug_failing_stage=_debug_failing[1], debug_failure=_debug_failing[2])
+
+
+def allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=None):
+    """The quantized all-reduce of a flat contribution through the CPU custom call.
+
+    Same arguments, result and bits as `echo_jax.transports.xla.allreduce`. Call it where
+    `unavailable_reason(axis)` is None (`echo_jax.transports.select` checks it); the size limits
+    are checked here, with errors that say what to fix.
+
+    Args:
+      x_flat32: [n] contribution of this rank (already compensated), float32, bfloat16 or
+        float16; a 16-bit one goes into the call as it is (the arithmetic inside is fp32).
+      axis: the bound axis name to reduce over.
+      num_ranks: its size P.
+      config: bits, group size and policy.
+      factor: None, or the f32 power of two of the rescaling (the Echo paper Sec. 5.4): the
+        call multiplies x by it on entry and divides the sum by it before the output.
+
+    Returns:
+      [n] in x's dtype, identical on every rank (typed like lax.psum's result).
+    """
+    attrs = _check_call("p2p_allreduce", x_flat32, axis, num_ranks, config)
+    _register(base.current_platform())
+    n = jnp.shape(x_flat32)[0]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((n,), x_flat32.dtype),
+                            vmap_method="sequential")
+    coords = _coords(axis)
+    y = call(x_flat32, coords, factor_operand(factor, coords), **attrs)
+    return base.typed_like_psum(y, axis, x_flat32)
+
+
+def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
+                          config: EchoConfig, factor=None):
+    """Compensated all-reduce (Algorithm 1) fused into the CPU custom call.
+
+    The apply step x' = x + eta (a m1 + (1 - a) m2) runs in the call's entry pass and the state
+    update u = x' - y/P, m_j = beta_j m_j + (1 - beta_j) u inside the call once y is known; m1 and
+    m2 are updated in place (input_output_aliases). Equal, bit for bit, to
+    `comp.apply_correction` + `xla_allreduce` + `comp.update_state` on x.astype(f32), the sum
+    then cast to x's dtype.
+
+    Args:
+      x_flat32: [n] contribution before correction, float32, bfloat16 or float16.
+      m1_flat, m2_flat: fp32 [n], the flattened CompensatorState.
+      axis, num_ranks, config, factor: as `allreduce`; the factor multiplies x' (after the
+        apply step) and divides the sum before the update, so the state stays in x's units.
+
+    Returns:
+      (y [n] in x's dtype, identical on every rank, m1_new fp32 [n], m2_new fp32 [n]); the state
+      is updated with the fp32 sum, before its rounding to x's dtype.
+    """
+    attrs = _check_call("p2p_allreduce_compensated", x_flat32, axis, num_ranks, config,
+                        states=(("m1_flat", m1_flat), ("m2_flat", m2_flat)))
+    k = comp.Coefficients.from_config(config)
+    _register(base.current_platform())
+    n = jnp.shape(x_flat32)[0]
+    y_type = jax.ShapeDtypeStruct((n,), x_flat32.dtype)
+    m_type = jax.ShapeDtypeStruct((n,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET_COMPENSATED, (y_type, m_type, m_type), vmap_method="sequential",
+                            input_output_aliases={1: 1, 2: 2})
+    f32 = np.float32
+    coords = _coords(axis)
+    y, m1, m2 = call(x_flat32, m1_flat, m2_flat, coords, factor_operand(factor, coords), **attrs,
+                     ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2),
+                     c2=f32(k.c2), inv_ranks=f32(1.0 / int(num_ranks)))
+    # ffi_call results are typed invariant; type them as the xla transport's are.
+    varying = frozenset().union(*(_compat.varying_axes(o) for o in (x_flat32, m1_flat, m2_flat)))
+    return (_compat.to_varying(y, varying - {axis}), _compat.to_varying(m1, varying),
+            _compat.to_varying(m2, varying))
+
+
+def build_info() -> dict:
+    """The XLA FFI headers echo_jax._ffi was compiled against: {"jaxlib": release or "unknown",
+    "xla_ffi_api": (major, minor)}; empty without the extension. The install takes them from the
+    jaxlib it runs with (CMakeLists.txt); reinstall (`pip install -e .`) after changing jaxlib."""
+    return dict(_ffi.build_info()) if _ffi is not None else {}
+
+
+def registry_stats() -> dict:
+    """Counts of the CPU handler's persistent workspaces, joins in flight and bindings."""
+    return dict(_ffi.registry_stats()) if _ffi is not None else {}
+
+
+__all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "allreduce_compensated",
+           "available_platforms", "debug_absent_rank", "debug_failing_rank", "factor_operand",
+           "build_info", "registry_stats", "POLICY_CODES", "TARGET", "TARGET_COMPENSATED",
+           "MAX_RANKS", "TIMEOUT_ENV"]

@@ -1,0 +1,262 @@
+"""The CUDA "p2p" transport: the Echo all-reduce as CUDA custom calls (module `echo_jax._ffi_cuda`).
+
+The transport interface (`echo_jax.transports`): `unavailable_reason`, `limit_reason`, `allreduce`
+and the fused `allreduce_compensated`, one rank per GPU inside `jax.shard_map`. Under them:
+
+* `rank_allreduce`: one rank per GPU inside `jax.shard_map` (the "p2p" transport on GPUs). The
+  group of GPUs of each rank is read from the concrete mesh, so call it under
+  `jax.set_mesh(mesh)`; every GPU of a group must have peer access to the others.
+* `virtual_allreduce`: P rank pipelines on P streams of one GPU, for tests and benchmarks on a
+  machine with a single GPU. x is [P, ...]; row r is rank r's contribution.
+* `quantize` / `dequantize`: the wire-format kernels on their own.
+
+All of them return the same bits as the pure-JAX reference (`echo_jax.quant`,
+`echo_jax.collective.xla_allreduce`, `echo_jax.compensator`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from echo_jax import _compat
+from echo_jax import compensator as comp
+from echo_jax import policies
+from echo_jax.config import EchoConfig
+from echo_jax.transports import base
+from echo_jax.transports.base import TIMEOUT_ENV, build_mismatch, factor_operand
+
+#: The value of `EchoConfig.transport` that selects the custom calls.
+NAME = "p2p"
+
+MAX_RANKS = 8
+
+POLICY_CODES = policies.CODES
+
+
+def timeout_ms() -> int:
+    """The bound on every wait for a peer, read when a call is traced (same rule as on CPU)."""
+    return base.timeout_ms()
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    from echo_jax import _ffi_cuda  # built by CMake when nvcc is found
+    return _ffi_cuda
+
+
+def available() -> bool:
+    """Whether the CUDA handlers are built and a GPU is present."""
+    try:
+        _module()
+    except ImportError:
+        return False
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def build_info() -> dict:
+    """The XLA FFI headers echo_jax._ffi_cuda was compiled against (as the CPU transport's
+    `build_info()`); empty when the CUDA handlers are not built."""
+    try:
+        return dict(_module().build_info())
+    except ImportError:
+        return {}
+
+
+@functools.lru_cache(maxsize=None)
+def register() -> None:
+    """Registers the CUDA targets with XLA (once; after the GPU backend is initialised)."""
+    jax.devices("gpu")
+    for name, capsule in _module().registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
+def _check(config: EchoConfig, num_ranks: int, where: str):
+    if not 1 <= num_ranks <= MAX_RANKS:
+        raise ValueError(f"{where}: the CUDA custom call supports 1..{MAX_RANKS} ranks per group, "
+                         f"got {num_ranks}; use transport='xla'")
+
+
+def _attrs(config: EchoConfig, num_ranks: int, state: bool):
+    a = dict(bits=np.int64(config.bits), group_size=np.int64(config.group_size),
+             policy=np.int64(POLICY_CODES[config.policy]), num_ranks=np.int64(num_ranks),
+             timeout_ms=np.int64(timeout_ms()))
+    if state:
+        k = comp.Coefficients.from_config(config)
+        a.update(ea=k.ea, eb=k.eb, b1=k.b1, c1=k.c1, b2=k.b2, c2=k.c2,
+                 inv_p=np.float32(1.0 / num_ranks))
+    return a
+
+
+def quantize(x, config: EchoConfig):
+    """Flat x (whole groups) -> (packed uint8 [G, g*b/8], params fp16 [G, 1|2]) on the GPU."""
+    register()
+    g = config.group_size
+    if x.size % g:
+        raise ValueError(f"quantize: {x.size} values is not a multiple of group_size {g}")
+    groups = x.size // g
+    np_ = policies.num_params(config.policy)
+    packed, params = jax.ffi.ffi_call(
+        "echo_quantize_cuda",
+        (jax.ShapeDtypeStruct((groups, g * config.bits // 8), jnp.uint8),
+         jax.ShapeDtypeStruct((groups, np_), jnp.uint16)))(
+        jnp.ravel(x), bits=np.int64(config.bits), group_size=np.int64(g),
+        policy=np.int64(POLICY_CODES[config.policy]))
+    return packed, jax.lax.bitcast_convert_type(params, jnp.float16)
+
+
+def dequantize(packed, params, config: EchoConfig):
+    """Inverse of `quantize`: fp32 [G * g]."""
+    register()
+    g = config.group_size
+    return jax.ffi.ffi_call(
+        "echo_dequantize_cuda", jax.ShapeDtypeStruct((packed.shape[0] * g,), jnp.float32))(
+        packed, jax.lax.bitcast_convert_type(params, jnp.uint16), bits=np.int64(config.bits),
+        group_size=np.int64(g), policy=np.int64(POLICY_CODES[config.policy]))
+
+
+def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None = None,
+                      absent_rank: int = -1, factor=None):
+    """P virtual ranks on one GPU: x [P, ...] -> y [P, ...] (and the new state [P, ...]).
+
+    Same bits as `jax.vmap(echo_psum, axis_name=...)` with transport "xla". `absent_rank` (tests
+    only) leaves one rank out, so the others must time out; the group is unusable afterwards.
+    `factor`: None, or the rescaling's shared power of two (every rank's; see
+    `echo_jax.collective.rescale_factor`), applied inside the kernels.
+    """
+    register()
+    num_ranks = x.shape[0]
+    _check(config, num_ranks, "virtual_allreduce")
+    flat = x.reshape(num_ranks, -1)
+    y_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
+    if state is None:
+        y = jax.ffi.ffi_call("echo_allreduce_virtual_cuda", y_type)(
+            flat, factor_operand(factor), absent_rank=np.int64(absent_rank),
+            **_attrs(config, num_ranks, False))
+        return y.reshape(x.shape)
+    _check_state_f32(state, "virtual_allreduce")
+    m_type = jax.ShapeDtypeStruct(flat.shape, jnp.float32)
+    y, m1, m2 = jax.ffi.ffi_call(
+        "echo_allreduce_virtual_comp_cuda", (y_type, m_type, m_type),
+        input_output_aliases={1: 1, 2: 2})(
+        flat, state.m1.reshape(flat.shape), state.m2.reshape(flat.shape), factor_operand(factor),
+        **_attrs(config, num_ranks, True))
+    return y.reshape(x.shape), comp.CompensatorState(m1.reshape(x.shape), m2.reshape(x.shape))
+
+
+def _check_state_f32(state, where):
+    """The CUDA kernels take an fp32 compensator state only (a bfloat16 state runs unfused)."""
+    for name in ("m1", "m2"):
+        dt = jnp.result_type(getattr(state, name))
+        if dt != jnp.float32:
+            raise ValueError(f"{where}: state.{name} must be float32 (the fused kernels take an "
+                             f"fp32 state only), got {dt}")
+
+
+def mesh_groups(axis, num_ranks: int) -> np.ndarray | None:
+    """Local device ordinals of every group along `axis` of the concrete mesh, [groups, P].
+
+    None when no concrete mesh is set (use `jax.set_mesh(mesh)`), or when a device of the mesh
+    is not a local GPU.
+    """
+    mesh = _compat.concrete_mesh()  # the concrete mesh of jax.set_mesh
+    if mesh is None or not mesh.shape or axis not in mesh.axis_names:
+        return None
+    devices = mesh.devices
+    if any(d.platform != "gpu" or d.process_index != jax.process_index() for d in devices.flat):
+        return None
+    ordinals = np.vectorize(lambda d: d.local_hardware_id)(devices)
+    ordinals = np.moveaxis(ordinals, mesh.axis_names.index(axis), -1).reshape(-1, num_ranks)
+    return ordinals.astype(np.int64)
+
+
+def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None, factor=None):
+    """One rank's Echo all-reduce on its GPU, inside shard_map (under `jax.set_mesh`); `factor`
+    as in `virtual_allreduce` (the same on every rank: it comes from a pmax)."""
+    register()
+    _check(config, num_ranks, "rank_allreduce")
+    groups = mesh_groups(axis, num_ranks)
+    if groups is None:
+        raise ValueError("transport='p2p' on GPUs needs the concrete mesh: call inside "
+                         "`with jax.set_mesh(mesh):` over local GPUs, or use transport='auto'")
+    attrs = _attrs(config, num_ranks, state is not None)
+    attrs["groups"] = groups.reshape(-1)
+    y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if state is None:
+        f = factor_operand(factor, like=x)
+        return jax.ffi.ffi_call("echo_allreduce_cuda", y_type)(x, f, **attrs)
+    _check_state_f32(state, "rank_allreduce")
+    m_type = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    y, m1, m2 = jax.ffi.ffi_call("echo_allreduce_comp_cuda", (y_type, m_type, m_type),
+                                 input_output_aliases={1: 1, 2: 2})(
+        x, state.m1, state.m2, factor_operand(factor, like=x), **attrs)
+    return y, comp.CompensatorState(m1, m2)
+
+
+def unavailable_reason(axis_name=None) -> str | None:
+    """Why the CUDA custom call cannot run here (None when it can).
+
+    Args:
+      axis_name: the axis to reduce over, if known; with it the group size and the concrete
+        mesh are checked too.
+    """
+    reason = base.context_reason(axis_name)
+    if reason is not None:
+        return reason
+    if not base.on_gpu():
+        return f"the CUDA custom call runs on NVIDIA GPUs, this call on {base.current_platform()!r}"
+    if not available():
+        return "the CUDA handlers (echo_jax._ffi_cuda) are not built: install where nvcc is found"
+    mismatch = build_mismatch(build_info(), "echo_jax._ffi_cuda")
+    if mismatch is not None:
+        return mismatch
+    if axis_name is None:
+        return None
+    size = jax.sharding.get_abstract_mesh().shape[axis_name]
+    if size > MAX_RANKS:
+        return f"the CUDA custom call takes at most {MAX_RANKS} ranks, axis has {size}"
+    if mesh_groups(axis_name, size) is None:
+        return ("the CUDA custom call needs the concrete mesh of local GPUs: call it under "
+                "`with jax.set_mesh(mesh):`")
+    return None
+
+
+def limit_reason(config: EchoConfig, num_elements: int, num_ranks: int) -> str | None:
+    """Why the CUDA custom call's size limits rule this call out (None when within them).
+
+    Args:
+      config: the call's EchoConfig (its group size).
+      num_elements: elements of one rank's flat contribution.
+      num_ranks: the size P of the reduced axis.
+    """
+    return base.limit_reason(config, num_elements, num_ranks, MAX_RANKS)
+
+
+def allreduce(x_flat, axis, num_ranks: int, config: EchoConfig, factor=None):
+    """The transport interface's all-reduce on GPUs: `rank_allreduce`, typed like lax.psum's
+    result (arguments and bits as `echo_jax.transports.xla.allreduce`)."""
+    y = rank_allreduce(x_flat, axis, num_ranks, config, factor=factor)
+    return base.typed_like_psum(y, axis, x_flat)
+
+
+def allreduce_compensated(x_flat, m1_flat, m2_flat, axis, num_ranks: int, config: EchoConfig,
+                          factor=None):
+    """The fused compensated all-reduce on GPUs (arguments and results as
+    `echo_jax.transports.cpu.allreduce_compensated`)."""
+    # ffi_call results are typed invariant; type them as the xla transport's are.
+    varying = frozenset().union(*(_compat.varying_axes(o) for o in (x_flat, m1_flat, m2_flat)))
+    y, new = rank_allreduce(x_flat, axis, num_ranks, config,
+                            comp.CompensatorState(m1_flat, m2_flat), factor=factor)
+    return (_compat.to_varying(y, varying - {axis}), _compat.to_varying(new.m1, varying),
+            _compat.to_varying(new.m2, varying))
+
+
+__all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "allreduce_compensated",
+           "available", "build_info", "register", "quantize", "dequantize", "virtual_allreduce",
+           "rank_allreduce", "mesh_groups", "MAX_RANKS", "TIMEOUT_ENV", "POLICY_CODES"]

@@ -1,0 +1,112 @@
+"""The "xla" transport: the Echo all-reduce in pure JAX (`lax.all_to_all` + an all-gather).
+
+It runs everywhere (CPU, GPU, TPU, across hosts, and under `jax.vmap(..., axis_name=...)` with P
+simulated ranks on one device) and is the reference of the custom calls, bit for bit. The
+protocol is the one described in `echo_jax.collective`. It has no fused compensated call:
+`echo_psum` runs the compensator's apply and update steps in JAX around `allreduce`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from echo_jax import _compat
+from echo_jax import quant
+from echo_jax.config import EchoConfig
+from echo_jax.transports.base import segment_layout
+
+#: The value of `EchoConfig.transport` that names this transport.
+NAME = "xla"
+
+
+def unavailable_reason(axis_name=None) -> str | None:
+    """Why this transport cannot run here: never (None).
+
+    Args:
+      axis_name: the axis to reduce over (unused: any bound mesh or vmap axis works).
+    """
+    del axis_name
+    return None
+
+
+def limit_reason(config: EchoConfig, num_elements: int, num_ranks: int) -> str | None:
+    """Why a size limit rules this call out: never (None); the arguments are those of the
+    custom calls' `limit_reason`."""
+    del config, num_elements, num_ranks
+    return None
+
+
+def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
+    """The quantized all-reduce of a flat contribution with the "xla" transport.
+
+    Args:
+      x_flat32: [n] contribution of this rank (already compensated): fp32, or bfloat16 /
+        float16, which is widened to fp32 first (exactly).
+      axis: the bound axis name to reduce over.
+      num_ranks: its size P.
+      config: bits, group size and policy.
+
+    Returns:
+      [n] in x's dtype (the fp32 sum, rounded to nearest even for a 16-bit x), identical on
+      every rank.
+    """
+    dtype = jnp.result_type(x_flat32)
+    if dtype != jnp.float32:
+        return xla_allreduce(x_flat32.astype(jnp.float32), axis, num_ranks, config).astype(dtype)
+    bits, g, policy = config.bits, config.group_size, config.policy
+    n = x_flat32.shape[0]
+    per_seg, padded = segment_layout(n, num_ranks, g)
+    segs = jnp.pad(x_flat32, (0, padded - n)).reshape(num_ranks, per_seg, g)
+    # Push: quantize all P segments; the all-to-all delivers segment j of rank r as row r on j.
+    packed, params = quant.quantize_groups(segs, bits, policy)
+    recv_packed = lax.all_to_all(packed, axis, 0, 0)
+    recv_params = lax.all_to_all(params, axis, 0, 0)
+    copies = quant.dequantize_groups(recv_packed, recv_params, bits, policy)
+    # Reduce: fp32 sum in rank order, own full-precision segment at its own position.
+    me = lax.axis_index(axis)
+    own = lax.dynamic_index_in_dim(segs, me, 0, keepdims=False)
+    acc = jnp.where(me == 0, own, copies[0])
+    for r in range(1, num_ranks):
+        acc = acc + jnp.where(me == r, own, copies[r])
+    sum_packed, sum_params = quant.quantize_groups(acc, bits, policy)
+    # Gather + tail: every rank dequantizes the same codes of every owner. In a type-checked
+    # shard_map the gathered codes are invariant over the axis, like lax.psum's result.
+    all_packed = _compat.all_gather_invariant(sum_packed, axis)
+    all_params = _compat.all_gather_invariant(sum_params, axis)
+    y = quant.dequantize_groups(all_packed, all_params, bits, policy)
+    return y.reshape(-1)[:n]
+
+
+def xla_allreduce_scaled(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=None):
+    """`xla_allreduce` in units multiplied by `factor` (the Echo paper Sec. 5.4).
+
+    The reference of the custom call's factor operand: x (widened to fp32) times the shared power
+    of two, the quantized all-reduce, the fp32 sum times 1 / factor (both exact), then rounded to
+    x's dtype. `factor` None: `xla_allreduce` itself.
+    """
+    if factor is None:
+        return xla_allreduce(x_flat32, axis, num_ranks, config)
+    dtype = jnp.result_type(x_flat32)
+    f = jnp.asarray(factor, jnp.float32).reshape(())
+    y32 = xla_allreduce(x_flat32.astype(jnp.float32) * f, axis, num_ranks, config)
+    return (y32 * (jnp.float32(1) / f)).astype(dtype)
+
+
+def allreduce(x_flat, axis, num_ranks: int, config: EchoConfig, factor=None):
+    """The transport interface's all-reduce: `xla_allreduce_scaled`.
+
+    Args:
+      x_flat: [n] contribution (float32, bfloat16 or float16), already compensated.
+      axis: the bound axis to reduce over; num_ranks: its size P.
+      config: bits, group size and policy.
+      factor: None, or the f32 power of two of the rescaling.
+
+    Returns:
+      [n] in x's dtype, identical on every rank.
+    """
+    return xla_allreduce_scaled(x_flat, axis, num_ranks, config, factor)
+
+
+__all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "xla_allreduce",
+           "xla_allreduce_scaled"]
