@@ -284,7 +284,7 @@ def site_statistics(params_full, model_cfg, windows, tp: int, options, *, method
 
     from models import model as M
     from models.config import CommConfig, SitePolicy
-    from models.train import place
+    from models.cli import place
 
     t0 = time.perf_counter()
     windows = np.asarray(windows, np.int32)
@@ -537,8 +537,8 @@ def run(args) -> dict:
     import jax
 
     from models.config import CommConfig, check_tp
-    from models.experiments import load_checkpoint_spec
-    from models.train import make_mesh
+    from models.checkpoints import load_checkpoint_spec
+    from models.cli import make_mesh
 
     t0 = time.perf_counter()
     cfg, params, tokenizer, info = load_checkpoint_spec(args.checkpoint, args.dtype,
@@ -598,7 +598,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.error(f"{flag} must be positive, got {v}")
     if not args.budget_bits > 0:
         ap.error(f"--budget-bits must be positive, got {args.budget_bits}")
-    from models.train import ensure_host_devices
+    from models.cli import ensure_host_devices
 
     ensure_host_devices(args.tp)
     try:

@@ -408,7 +408,7 @@ def load_setup(args) -> Setup:
     import jax
 
     from models.config import check_tp
-    from models.train import make_mesh
+    from models.cli import make_mesh
 
     spec = args.checkpoint
     cfg, params, tokenizer, info = load_checkpoint_spec(spec, args.dtype, args.tokenizer,
@@ -465,7 +465,7 @@ class Scorer:
     def __init__(self, setup: Setup, batch_size: int, progress: bool):
         from models import model as M
         from models.config import CommConfig
-        from models.train import place
+        from models.cli import place
 
         self.setup = setup
         self.batch_size = max(1, min(batch_size, len(setup.windows)))
@@ -884,7 +884,7 @@ def run_error_process(args) -> dict:
     """Per-site ||delta_k||, ||rho_k||, ||S_t|| along one forward pass. Returns the JSON record."""
     from echo_jax import demo
     from models import model as M
-    from models.train import place
+    from models.cli import place
 
     setup = load_setup(args)
     modes = error_process_modes(setup.tp)
@@ -1666,7 +1666,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 if v is not None and v <= 0:
                     ap.error(f"{flag} must be positive, got {v}")
         if args.shard_map:
-            from models.train import ensure_host_devices
+            from models.cli import ensure_host_devices
 
             ensure_host_devices(max(args.tp or 4, 4))
     try:
