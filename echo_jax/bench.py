@@ -42,8 +42,8 @@ import statistics
 import sys
 import time
 
-from echo_jax._cli import (SIZE_ALIASES, format_size, parse_size, parse_sizes, positive_int,
-                           request_host_devices, write_json)
+from echo_jax._cli import (SIZE_ALIASES, format_size, parse_size,  # noqa: F401 - bench.parse_size
+                           parse_sizes, positive_int, request_host_devices, write_json)
 
 #: Rows of `bench allreduce`, in the order they are run and printed.
 ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-rescale", "p2p4-comp-unfused",

@@ -26,7 +26,7 @@ Statistics, per forward site k (2 per layer: the attention output, then the MLP 
   sum_i x_k,i (the block output; the max shows the massive activations);
 * for each option o: the injected error delta_k,o = Echo-all-reduce_o(x_k) - sum_i x_k,i of an
   uncompensated all-reduce of the same contributions (Eq. 1 of the Echo paper), in one exact
-  16-bit pass (the error taps of `models.experiments.instrumented_forward`): its rms per token
+  16-bit pass (the site tap of `models.model.forward_with_taps`): its rms per token
   and its size relative to the sum;
 * the sensitivity of the output: g_k = dNLL / dy_k, the gradient of the summed next-token loss
   with respect to the site's sum (one backward pass of the exact model,
@@ -171,8 +171,9 @@ def sensitivity_fn(model_cfg):
 def tap_fn(model_cfg, tp: int, options, mesh=None):
     """jit fn(params_stacked, inputs, g, weights) -> per-site statistics of one exact pass.
 
-    At every forward site the contributions of the exact pass are also all-reduced under each
-    option (uncompensated) and compared with the exact fp32 sum; g [2 L, B, T, D] are the
+    At every forward site (the model's site tap, `models.model.forward_with_taps`) the
+    contributions of the exact pass are also all-reduced under each option (uncompensated) and
+    compared with the exact fp32 sum; g [2 L, B, T, D] are the
     sensitivities of `sensitivity_fn`, weights [B] 1 for a real window, 0 for padding (its tokens
     are left out of every sum and max). Returns a dict of fp32 arrays: "out_sq" [2L] (sum over
     tokens of ||y_t||^2), "out_max" [2L] (max_t ||y_t||), "grad_sq" [2L], and per option [2L, O]:
@@ -186,12 +187,14 @@ def tap_fn(model_cfg, tp: int, options, mesh=None):
     from echo_jax.collective import echo_psum
     from models import model as M
     from models.config import CommConfig
-    from models.experiments import instrumented_forward
 
     comm = CommConfig(tp=tp)
     axis = comm.axis_name
     f32 = jnp.float32
     uncompensated = [None if o is None else o.replace(eta=0.0) for o in options]
+
+    def tap(site, carry, xs):
+        return carry, hook(site.part, site.y, xs)
 
     def hook(part, y, xs):
         g, w = xs                                                           # [B, T, D], [B]
@@ -216,9 +219,7 @@ def tap_fn(model_cfg, tp: int, options, mesh=None):
     def fn(params, inputs, g, weights):
         n_sites = g.shape[0]
         w = jnp.broadcast_to(weights.astype(f32), (n_sites,) + weights.shape)  # [2L, B]
-        _, _, _, sites = instrumented_forward(params, inputs, model_cfg, comm, hook=hook,
-                                              hook_xs=(g, w))
-        return sites["hook"]
+        return M.forward_with_taps(params, inputs, model_cfg, comm, tap, tap_xs=(g, w)).taps
 
     return M.jit_per_rank(fn, comm, mesh, stacked_in=(True, False, False, False),
                           stacked_out=False)
@@ -463,7 +464,7 @@ def summarize_choice(policy, n_layers: int) -> str:
 
 def calibration_windows(tokenizer, args) -> tuple:
     """(windows int32 [N, W + 1], source) from --text or the training split's Shakespeare."""
-    from models.experiments import select_windows, text_stream
+    from models.data import select_windows, text_stream
 
     tokens, source = text_stream(tokenizer, args.text, "train", args.cache_dir,
                                  args.shakespeare_dir, progress=not args.quiet)

@@ -153,19 +153,6 @@ def heldout_tokens(tokenizer, cache_dir=None, shakespeare_dir=None, progress=Fal
     return tc.heldout
 
 
-def text_tokens(files: Sequence[str], tokenizer):
-    """The tokens of text files, one after the other, separated by the document separator."""
-
-
-    sep = tokenizer.eot_id if tokenizer.eot_id is not None else tokenizer.eos_id
-    ids = []
-    for i, f in enumerate(files):
-        if i:
-            ids.append(sep)
-        ids.extend(tokenizer.encode(D.read_text(f)))
-    return np.asarray(ids, dtype=np.int64)
-
-
 # --------------------------------------------------------------------------------------------
 # The command line
 
@@ -253,7 +240,7 @@ def evaluate(args) -> dict:
         raise ValueError(f"--window {args.window} exceeds the model's max_seq_len "
                          f"{cfg.max_seq_len}")
     if args.text:
-        tokens, source = text_tokens(args.text, lm.tokenizer), [str(t) for t in args.text]
+        tokens, source = D.text_tokens(args.text, lm.tokenizer), [str(t) for t in args.text]
     elif args.tokens:
         _, tokens, tmeta = load_token_dir(args.tokens)
         fp = tmeta.get("tokenizer", {}).get("fingerprint")
