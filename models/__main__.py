@@ -1,4 +1,4 @@
-"""`python -m models {train,eval,generate,calibrate,data,bench-e2e} ...`: dispatch to the model CLIs.
+"""`python -m models COMMAND ...`: dispatch to the model CLIs.
 
     python -m models train --preset tiny --tp 2 --bits 4 --steps 100
     python -m models train plot a.json b.json -o compare.png

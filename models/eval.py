@@ -228,8 +228,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def evaluate(args) -> dict:
     """Load, score and summarise (the body of main); returns the JSON record."""
-
-
     comm = comm_from_args(args)
     t0 = time.perf_counter()
     lm = load_model(args.checkpoint, dtype=args.dtype, step=args.step, tokenizer=args.tokenizer,

@@ -76,8 +76,6 @@ def generate(params_stacked, prompt_ids, model_cfg, comm, mesh, max_new_tokens: 
     Returns:
       {"ids": generated ids, "prefill_s", "decode_s", "stopped": bool}.
     """
-
-
     n = len(prompt_ids)
     capacity = n + max_new_tokens
     if capacity > model_cfg.max_seq_len:

@@ -41,6 +41,13 @@ number), or a `SitePolicy` (CommConfig.site_policy): its int32 [L, 2] forward an
 tables enter the scan as xs, so layer l's attention and MLP sites each read their own index. The
 index is the same on every rank, so the switch stays a switch under vmap.
 
+Site taps. `forward_with_taps` runs this same forward pass with a tap at every forward (g) site:
+the tap sees the rank's contribution, the all-reduced sum, the compensator state around the site
+and the residual stream (`SiteValues`), may carry a value from site to site, and its outputs are
+sown into the "intermediates" collection (stacked over the layers by the scan). The accuracy
+study's error process and `models.calibrate` measure the sites this way, so there is one forward
+pass to keep correct. Without a tap nothing is sown and the program is unchanged.
+
 Per-rank program semantics. Every rank runs the whole forward pass and the whole backward pass of
 the full loss on its own (as in Megatron): the f/g custom VJPs decide what crosses ranks. So
 gradients are taken *inside* the per-rank function (`loss_and_grad_*`, `make_train_step`), the

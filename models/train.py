@@ -103,6 +103,7 @@ class OptimConfig:
       b1, b2, eps: Adam constants.
       clip_norm: global-norm clipping of the full model's gradient (0 = off).
     """
+
     lr: float
     warmup: int
     steps: int
@@ -139,8 +140,6 @@ def learning_rate(count, oc: OptimConfig):
 
 def _decay_mask(params):
     """Weight decay on kernels and embeddings, not on the RMSNorm scales."""
-
-
     return jax.tree_util.tree_map_with_path(lambda path, _: M._names(path)[-1] != "scale", params)
 
 
@@ -154,7 +153,6 @@ def make_optimizer(oc: OptimConfig):
 def _train_step(model_cfg, comm, mesh, oc: OptimConfig, remat: bool):
     """(optimizer, jitted step) for these hashable settings; cached so that a resumed run in the
     same process reuses the compiled step."""
-
     opt = make_optimizer(oc)
     step = M.make_train_step(model_cfg, comm, opt, mesh,
                              clip_norm=oc.clip_norm if oc.clip_norm > 0 else None, remat=remat)
@@ -480,8 +478,6 @@ def _model_config(args, vocab_size: int, resume_cfg=None):
 
 def _evaluate(params, heldout, model_cfg, comm, mesh, batch_size, seq_len, max_tokens):
     """Mean held-out NLL (nats/token) over non-overlapping windows; (loss, tokens)."""
-
-
     windows = list(D.eval_windows(heldout, seq_len, max_tokens))
     nll_sum, count, _ = score_windows(params, windows, model_cfg, comm, mesh, batch_size,
                                       progress=False)
@@ -523,8 +519,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _train(args) -> int:
     """The training run of main(): data, model, resume, the loop, outputs; returns the status."""
-
-
     comm = comm_from_args(args)
     resume = None
     start_step = 0

@@ -364,7 +364,8 @@ def _reference_instrumented_forward(params, tokens, model_cfg, comm, hook=None, 
       stacked [2 L, ...]).
     """
     if comm.early_8bit or comm.site_policy is not None:
-        raise ValueError("_reference_instrumented_forward: early_8bit and site policies are not supported")
+        raise ValueError("_reference_instrumented_forward: early_8bit and site policies are not "
+                         "supported")
     cfg, axis, p = model_cfg, comm.axis_name, comm.tp
     f32 = jnp.float32
     dt = jnp.dtype(cfg.dtype)

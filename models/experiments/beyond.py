@@ -41,7 +41,6 @@ _CALIB_KEY = re.compile(r"^calib-(?P<budget>\d+(?:\.\d+)?)(?P<h>-h)?(?:-(?P<m>pr
 
 
 def _rotation_supported() -> bool:
-
     return "rotation" in {f.name for f in dataclasses.fields(EchoConfig)}
 
 
@@ -80,7 +79,6 @@ def beyond_row_spec(key: str) -> dict:
 def _calibrations(setup: Setup, args, params_full):
     """A memo of calibration statistics per rotation ("none" / "hadamard"), measured lazily on
     the training split (or --calib-text)."""
-
     cache = {}
 
     def get(rotation: str, method=None):
@@ -115,7 +113,6 @@ def _calibrations(setup: Setup, args, params_full):
 def beyond_variants(setup: Setup, args, keys: Sequence[str], out_dir: Path):
     """Yield (key, label, group, CommConfig, extra row fields) for each row key; calibrated rows
     run their calibration first and save their policy next to the results."""
-
     calib = _calibrations(setup, args, setup.params_full)
     tag = f"_{args.name}" if args.name else ""
     for key in keys:

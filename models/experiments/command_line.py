@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from models.cli import add_simulate_arg, ensure_host_devices
+from models.cli import DTYPES, add_simulate_arg, ensure_host_devices
 from models.experiments.ablations import ABLATIONS, run_ablations
 from models.experiments.beyond import BEYOND_DEFAULT, run_beyond
 from models.experiments.error_process import run_error_process
@@ -27,7 +27,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, metavar="P",
                    help="tensor-parallel degree (default: 4 where the model splits 4 ways, "
                         "else 3: SmolLM2's 9 / 3 heads)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+    g.add_argument("--dtype", choices=DTYPES,
                    help="compute dtype (default: the checkpoint's; GGUF: float32)")
     g.add_argument("--tokenizer", metavar="SPEC", help="tokenizer instead of the checkpoint's")
     g.add_argument("--text", nargs="+", metavar="FILE",

@@ -26,16 +26,14 @@ from models.config import CommConfig, check_tp, config_label, supported_tp
 from models.data import select_windows, text_stream
 
 RESULTS_DIR = "results"
-
 DEFAULT_WINDOW = 512
 
 #: Paper defaults of the compensator (the Echo paper Sec. 7.4); every ablation changes one thing.
 DEFAULTS = {"eta": 0.75, "blend": 0.35, "beta1": 0.7, "beta2": 0.3}
 
-BEYOND_BUDGET = 4.5         # the issue's goal: <= 4.5 wire bits per element ...
-
+#: The goal of `beyond` (its table and plot): <= 4.5 wire bits per element ...
+BEYOND_BUDGET = 4.5
 BEYOND_TARGET_PCT = 10.0    # ... within +10 % perplexity of 16-bit
-
 BEYOND_8BIT_PCT = 0.2       # and 8-bit within +0.2 %
 
 
@@ -75,12 +73,12 @@ def _plt():
 def echo_config(bits: int, transport: str = "xla", **changes):
     """The paper's default EchoConfig at `bits` (g = 128, zero-aware asym, eta 0.75, a 0.35,
     beta 0.7 / 0.3) with some fields changed."""
-
     return EchoConfig(bits=bits, transport=transport, **changes)
 
 
 class Variant(NamedTuple):
     """One row of a sweep: a short key, a group, a readable label and the CommConfig."""
+
     key: str
     group: str
     label: str
@@ -91,7 +89,6 @@ def describe_comm(comm) -> dict:
     """The JSON fields of a CommConfig: bits, policy, g, compensator coefficients, early 8-bit
     (a site policy: bits None and the policy's configs and tables)."""
     if comm.site_policy is not None:
-
         sp = comm.site_policy
         cfgs = [c for c in sp.configs if c is not None]
         return {"bits": None, "policy": None, "group_size": None,
@@ -113,12 +110,12 @@ def describe_comm(comm) -> dict:
 
 
 def _exact(tp):
-
     return CommConfig(tp=tp)
 
 
 class Setup(NamedTuple):
     """What every evaluation sub-command needs: the model, its text, the windows, the runner."""
+
     name: str            # model tag used in file names
     model_cfg: object
     params_full: dict    # host numpy, unsharded
@@ -141,7 +138,6 @@ def _model_tag(spec: str) -> str:
 def default_tp(model_cfg) -> int:
     """P = 4 where the model splits 4 ways (the paper's P), else 3 (SmolLM2's 9 / 3 heads), else
     the largest supported P <= 4."""
-
     ok = supported_tp(model_cfg, 8)
     for p in (4, 3):
         if p in ok:
@@ -158,7 +154,6 @@ def load_setup(args) -> Setup:
     Returns:
       A `Setup`.
     """
-
     spec = args.checkpoint
     cfg, params, tokenizer, info = load_checkpoint_spec(spec, args.dtype, args.tokenizer,
                                                         args.cache_dir, args.seed)
@@ -206,7 +201,6 @@ class Scorer:
     """
 
     def __init__(self, setup: Setup, batch_size: int, progress: bool):
-
         self.setup = setup
         self.batch_size = max(1, min(batch_size, len(setup.windows)))
         self.progress = progress
