@@ -33,7 +33,7 @@ from echo_jax._cli import positive_int, request_host_devices, write_json
 from echo_jax.bench import machine_name
 from echo_jax.config import EchoConfig
 from models import model as M
-from models.cli import make_mesh, place
+from models.cli import add_simulate_arg, make_mesh, place
 from models.config import CommConfig, check_tp, get_config, supported_tp
 from models.train import OptimConfig, make_optimizer
 
@@ -400,9 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=positive_int, default=None, metavar="P",
                    help="tensor-parallel ranks (default: the largest power of two the preset "
                         "supports within the local devices)")
-    p.add_argument("--simulate", action="store_true",
-                   help="simulate the P ranks with jax.vmap on one device (automatic with "
-                        "fewer than P devices)")
+    add_simulate_arg(p)
     p.add_argument("--batch", type=positive_int, default=8, help="batch (default: %(default)s)")
     p.add_argument("--seq", type=positive_int, default=64,
                    help="sequence length of the prefill and of the training batch (default: "

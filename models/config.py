@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from echo_jax import tp as tp_ops
+from echo_jax._cli import write_json
 from echo_jax.calibration import site_config_label, site_wire_bits
 from echo_jax.config import EchoConfig
 
@@ -332,9 +333,7 @@ class SitePolicy:
         record = self.to_dict()
         record = {"format": record.pop("format"), "model": model, "tp": tp, **record,
                   **(extra or {})}
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(record, indent=1) + "\n")
+        write_json(path, record)
         return record
 
 
