@@ -154,11 +154,11 @@ def test_comm_flags_with_site_bits(tmp_path):
     mixed_policy().save(path)
     ap = T.build_parser()
     comm = CLI.comm_from_args(ap.parse_args(["--tp", "2", "--site-bits", str(path),
-                                           "--transport", "xla"]))
+                                             "--transport", "xla"]))
     assert comm.site_policy.configs == (E4, E8, None) and comm.echo is None
     assert comm.compensate_forward and "site policy" in comm.describe()
     off = CLI.comm_from_args(ap.parse_args(["--tp", "2", "--site-bits", str(path),
-                                          "--no-compensation"]))
+                                            "--no-compensation"]))
     assert off.forward_configs()[0].eta == 0.0 and "nocomp" in off.describe()
     d = CLI.comm_to_dict(comm)
     assert d["bits"] is None and d["site_policy"]["forward"] == [[0, 1], [2, 0]]
