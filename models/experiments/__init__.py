@@ -62,10 +62,10 @@ from models.experiments.command_line import COMMANDS, add_common_args, build_par
 from models.experiments.error_process import (SITE_KEYS, error_process_modes,
                                               measure_error_process, measure_sites,
                                               run_error_process)
-from models.experiments.helpers import (BEYOND_8BIT_PCT, BEYOND_BUDGET, BEYOND_TARGET_PCT,
-                                        DEFAULT_WINDOW, DEFAULTS, RESULTS_DIR, Scorer, Setup,
-                                        Variant, default_tp, describe_comm, echo_config,
-                                        format_rows, load_setup)
+from models.experiments.helpers import (BEYOND_8BIT_PCT, BEYOND_BUDGET, BEYOND_TARGET_PCT, DEFAULTS,
+                                        DEFAULT_WINDOW, RESULTS_DIR, Scorer, Setup, Variant,
+                                        default_tp, describe_comm, echo_config, format_rows,
+                                        load_setup)
 from models.experiments.inference import EXTRA_INFERENCE, inference_variants, run_inference
 from models.experiments.plots import (plot_ablations, plot_beyond, plot_error_process,
                                       plot_inference)

@@ -11,9 +11,9 @@ from typing import Optional, Sequence
 
 from models.cli import write_json
 from models.config import CommConfig
-from models.experiments.helpers import (Scorer, Variant, _announce, _command, _exact, _log, _now,
-                                        _progress, describe_comm, echo_config, format_rows,
-                                        load_setup)
+from models.experiments.helpers import (Scorer, Variant, announce, describe_comm, echo_config,
+                                        exact_comm, format_rows, load_setup, log_line, progress_bar,
+                                        recorded_command, utc_now)
 from models.experiments.plots import plot_ablations
 
 #: Ablation rows (the Echo paper Table 8 analog): key, group, label, EchoConfig changes. Each row
@@ -80,13 +80,13 @@ def run_ablations(args) -> dict:
             raise ValueError(f"--variants: unknown {unknown}; choose from "
                              f"{[a[0] for a in ABLATIONS]}")
     plan = [(b, v) for b in args.bits for v in ablation_variants(setup.tp, b, keys)]
-    _announce(setup, len(plan) + 1)
+    announce(setup, len(plan) + 1)
     ref = scorer.ensure_reference()
     rows = [{"bits": 16, "key": "16bit", "group": "reference", "variant": "16-bit (exact)",
-             **describe_comm(_exact(setup.tp)), **ref}]
-    _log(args, f"{'16-bit':<58} ppl {ref['perplexity']:10.4f}")
+             **describe_comm(exact_comm(setup.tp)), **ref}]
+    log_line(args, f"{'16-bit':<58} ppl {ref['perplexity']:10.4f}")
     full = {}
-    bar = _progress(plan, desc="variants", unit="variant", disable=args.quiet, leave=False)
+    bar = progress_bar(plan, desc="variants", unit="variant", disable=args.quiet, leave=False)
     for bits, v in bar:
         nums = scorer.score(v.comm, f"{bits}-bit {v.key}")
         row = {"key": v.key, "group": v.group, "variant": v.label, **describe_comm(v.comm),
@@ -94,7 +94,7 @@ def run_ablations(args) -> dict:
         if v.key == "full":
             full[bits] = nums["perplexity"]
         rows.append(row)
-        _log(args, f"{bits}-bit {v.label:<52} ppl {nums['perplexity']:10.4f}")
+        log_line(args, f"{bits}-bit {v.label:<52} ppl {nums['perplexity']:10.4f}")
     for row in rows:
         if row["bits"] in full:
             row["delta_ppl_vs_full"] = row["perplexity"] - full[row["bits"]]
@@ -105,7 +105,7 @@ def run_ablations(args) -> dict:
                 rows.append({**src, "key": key, "group": group, "variant": label + " (= full)",
                              "same_run_as": "full"})
     record = {"experiment": "ablations", "paper": "the Echo paper Table 8 (Sec. 7.4)",
-              "created": _now(), "command": _command(args), "meta": setup.meta,
+              "created": utc_now(), "command": recorded_command(args), "meta": setup.meta,
               "note": args.note, "rows": rows}
     out = Path(args.out_dir) / (f"accuracy_ablations{'_' + args.tag if args.tag else ''}.json")
     write_json(out, record)

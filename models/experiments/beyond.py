@@ -24,8 +24,8 @@ from models.cli import write_json
 from models.config import CommConfig, load_site_policy
 from models.data import select_windows, text_stream
 from models.experiments.helpers import (BEYOND_8BIT_PCT, BEYOND_BUDGET, BEYOND_TARGET_PCT, Scorer,
-                                        Setup, _announce, _command, _log, _now, describe_comm,
-                                        echo_config, format_rows, load_setup)
+                                        Setup, announce, describe_comm, echo_config, format_rows,
+                                        load_setup, log_line, recorded_command, utc_now)
 from models.experiments.plots import plot_beyond
 
 #: The default rows of `beyond` (16-bit always runs first, as the reference). A key is either an
@@ -146,7 +146,7 @@ def beyond_variants(setup: Setup, args, keys: Sequence[str], out_dir: Path):
                                      "policy_file": str(path), "chosen": summary,
                                      "measure_seconds": round(measured_s, 2),
                                      "seconds": round(time.perf_counter() - t0, 2), **text}}
-            _log(args, f"calibrated ({stats['method']}, budget {spec['budget']:g}): {summary}")
+            log_line(args, f"calibrated ({stats['method']}, budget {spec['budget']:g}): {summary}")
             yield key, spec["label"], spec["group"], CommConfig(tp=setup.tp,
                                                                 site_policy=policy), extra
     for path in args.policy or ():
@@ -192,7 +192,7 @@ def run_beyond(args) -> dict:
               "to run (the 16-bit reference is scored again for the greedy agreement)")
     args.policy = policies
     scorer = Scorer(setup, args.batch_size, not args.quiet)
-    _announce(setup, len(keys) + len(policies))
+    announce(setup, len(keys) + len(policies))
     rows = [r for r in done.values() if r["key"] != "16bit"]
     record = None
     for key, label, group, comm, extra in beyond_variants(setup, args, keys, out.parent):
@@ -205,7 +205,7 @@ def run_beyond(args) -> dict:
             rows.insert(0, row)
         else:
             rows.append(row)
-        _log(args, f"{label:<60} {row['wire_bits_per_element']:6.3f} bits  ppl "
+        log_line(args, f"{label:<60} {row['wire_bits_per_element']:6.3f} bits  ppl "
                    f"{nums['perplexity']:10.4f}  ({nums.get('rel_delta_ppl_vs_16bit_pct', 0):+.3f}"
                    f" %)  {nums['seconds']:.1f} s")
         record = _beyond_record(args, setup, rows, skipped)
@@ -262,7 +262,7 @@ def _beyond_record(args, setup: Setup, rows: list, skipped: list) -> dict:
             "8bit_target_pct": BEYOND_8BIT_PCT}
     return {"experiment": "beyond", "paper": "beyond the Echo paper: per-site precision "
               "(cf. its early-site policy, Sec. 7.2), group size g (Sec. 4, Table 8) and rotation "
-              "at about 4-bit wire cost", "created": _now(), "command": _command(args),
+              "at about 4-bit wire cost", "created": utc_now(), "command": recorded_command(args),
               "meta": {**setup.meta, "wire_bits": "average over the 2 L forward sites of one "
                        "pass of codes plus fp16 scale / zero-point bits per element (padding "
                        "included; wire_bits_nominal without)",

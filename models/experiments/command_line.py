@@ -14,6 +14,7 @@ from models.experiments.helpers import DEFAULT_WINDOW, RESULTS_DIR
 from models.experiments.inference import run_inference
 from models.experiments.pretrain import run_pretrain_table
 
+
 def add_common_args(p: argparse.ArgumentParser) -> None:
     """The checkpoint / text / window / runner / output flags shared by the model studies."""
     g = p.add_argument_group("model and text")

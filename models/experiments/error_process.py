@@ -23,8 +23,8 @@ from echo_jax import demo
 from models import model as M
 from models.cli import place, write_json
 from models.config import CommConfig
-from models.experiments.helpers import (Variant, _announce, _command, _now, _progress,
-                                        describe_comm, echo_config, format_rows, load_setup)
+from models.experiments.helpers import (Variant, announce, describe_comm, echo_config, format_rows,
+                                        load_setup, progress_bar, recorded_command, utc_now)
 from models.experiments.plots import plot_error_process
 
 SITE_KEYS = ("delta", "rho", "partial_sum", "block_output", "hidden", "state")
@@ -159,7 +159,7 @@ def run_error_process(args) -> dict:
     """Per-site ||delta_k||, ||rho_k||, ||S_t|| along one forward pass. Returns the JSON record."""
     setup = load_setup(args)
     modes = error_process_modes(setup.tp)
-    _announce(setup, len(modes))
+    announce(setup, len(modes))
 
     params = place(M.shard_params(setup.params_full, setup.tp, setup.model_cfg), setup.mesh,
                    CommConfig(tp=setup.tp))
@@ -167,7 +167,7 @@ def run_error_process(args) -> dict:
     inputs, targets = windows[:, :-1], windows[:, 1:]
     n_sites = 2 * setup.model_cfg.n_layers
     results = {}
-    bar = _progress(modes, desc="modes", unit="mode", disable=args.quiet, leave=False)
+    bar = progress_bar(modes, desc="modes", unit="mode", disable=args.quiet, leave=False)
     for v in bar:
         t0 = time.perf_counter()
         results[v.key] = measure_error_process(params, inputs, setup.model_cfg, v.comm,
@@ -212,7 +212,8 @@ def run_error_process(args) -> dict:
         per_site[v.key].update({k + "_median": [float(x) for x in r[k + "_median"]]
                                 for k in ("delta", "partial_sum", "hidden")})
     record = {"experiment": "error-process", "paper": "the Echo paper Sec. 3.3, Eqs. 1, 5, 6; "
-              "Theorem 1 (Eq. 19) and Eq. 21", "created": _now(), "command": _command(args),
+              "Theorem 1 (Eq. 19) and Eq. 21", "created": utc_now(),
+              "command": recorded_command(args),
               "meta": {**setup.meta, "norm": "per-token L2 norms over the hidden dimension; "
                        "per_site[mode][key] is their rms over tokens (sqrt(mean ||v||^2)), "
                        "[key + '_median'] their median; the max_* row fields use the rms; "

@@ -37,7 +37,7 @@ BEYOND_TARGET_PCT = 10.0    # ... within +10 % perplexity of 16-bit
 BEYOND_8BIT_PCT = 0.2       # and 8-bit within +0.2 %
 
 
-def _progress(iterable=None, **kw):
+def progress_bar(iterable=None, **kw):
     """A tqdm bar when tqdm is installed, else the plain iterable (the bar is a convenience)."""
     try:
         from tqdm.auto import tqdm
@@ -47,6 +47,8 @@ def _progress(iterable=None, **kw):
 
 
 class _NoBar:
+    """The progress-bar methods the studies call, doing nothing (no tqdm)."""
+
     def update(self, *_):
         pass
 
@@ -57,11 +59,13 @@ class _NoBar:
         pass
 
 
-def _now() -> str:
+def utc_now() -> str:
+    """The current UTC time as an ISO 8601 string (the "created" field of every record)."""
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,7 +113,8 @@ def describe_comm(comm) -> dict:
             "state_dtype": e.state_dtype}
 
 
-def _exact(tp):
+def exact_comm(tp: int):
+    """The exact 16-bit CommConfig (lax.psum) at P = `tp`: the reference row of every table."""
     return CommConfig(tp=tp)
 
 
@@ -264,17 +269,20 @@ def format_rows(rows: Sequence[dict], keys: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def _announce(setup: Setup, n: int) -> None:
+def announce(setup: Setup, n: int) -> None:
+    """Print what a study runs: the model, P, the runner, the windows and `n` configurations."""
     m = setup.meta
     print(f"model: {m['model']['name']} ({setup.model_cfg.num_params() / 1e6:.1f}M params, "
           f"{m['forward_sites']} forward sites); P={setup.tp}; {setup.mode}; {m['windows']} "
           f"windows of {m['window']} tokens ({m['tokens_scored']} scored); {n} configurations")
 
 
-def _log(args, line: str) -> None:
+def log_line(args, line: str) -> None:
+    """Print one progress line unless --quiet."""
     if not args.quiet:
         print(line, flush=True)
 
 
-def _command(args) -> str:
+def recorded_command(args) -> str:
+    """The command line of this run as stored in its JSON record."""
     return "python -m models.experiments " + " ".join(args.argv)

@@ -11,10 +11,11 @@ from pathlib import Path
 
 from models.cli import write_json
 from models.config import CommConfig
-from models.experiments.helpers import (Scorer, Variant, _announce, _command, _log, _now,
-                                        _progress, describe_comm, echo_config, format_rows,
-                                        load_setup)
+from models.experiments.helpers import (Scorer, Variant, announce, describe_comm, echo_config,
+                                        format_rows, load_setup, log_line, progress_bar,
+                                        recorded_command, utc_now)
 from models.experiments.plots import plot_inference
+
 
 def inference_variants(tp: int, transport: str = "xla", extra: bool = False) -> list:
     """The rows of the inference table (Tables 4-6 analog), 16-bit first.
@@ -62,17 +63,17 @@ def run_inference(args) -> dict:
             raise ValueError(f"--configs: unknown {unknown}; choose from "
                              f"{[v.key for v in variants]}")
         variants = [v for v in variants if v.key == "16bit" or v.key in args.configs]
-    _announce(setup, len(variants))
+    announce(setup, len(variants))
     rows = []
-    bar = _progress(variants, desc="configs", unit="config", disable=args.quiet, leave=False)
+    bar = progress_bar(variants, desc="configs", unit="config", disable=args.quiet, leave=False)
     for v in bar:
         nums = scorer.score(v.comm, v.label)
         rows.append({"config": v.key, "label": v.label, "group": v.group,
                      **describe_comm(v.comm), **nums})
-        _log(args, f"{v.label:<48} ppl {nums['perplexity']:10.4f}  agreement "
+        log_line(args, f"{v.label:<48} ppl {nums['perplexity']:10.4f}  agreement "
                    f"{nums.get('greedy_agreement', float('nan')):.4f}")
     record = {"experiment": "inference", "paper": "the Echo paper Tables 4-6 (Sec. 7.2)",
-              "created": _now(), "command": _command(args), "meta": setup.meta,
+              "created": utc_now(), "command": recorded_command(args), "meta": setup.meta,
               "note": args.note, "rows": rows}
     out = Path(args.out_dir) / f"accuracy_inference_{setup.name}.json"
     write_json(out, record)

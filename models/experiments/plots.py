@@ -7,11 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
-from models.experiments.helpers import BEYOND_BUDGET, BEYOND_TARGET_PCT, _plt
+from models.experiments.helpers import BEYOND_BUDGET, BEYOND_TARGET_PCT, pyplot
+
 
 def plot_inference(record: dict, out: Path) -> None:
     """Bar chart of the perplexity increase over 16-bit and of the greedy agreement."""
-    plt = _plt()
+    plt = pyplot()
     rows = [r for r in record["rows"] if r["bits"] != 16]
     labels = [r["label"].split(" (")[0] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(rows) + 1.8))
@@ -43,7 +44,7 @@ def plot_inference(record: dict, out: Path) -> None:
 
 def plot_ablations(record: dict, out: Path) -> None:
     """One panel per bit width: each variant's perplexity minus the full method's."""
-    plt = _plt()
+    plt = pyplot()
     bits = sorted({r["bits"] for r in record["rows"] if r["bits"] != 16}, reverse=True)
     if not bits:
         return
@@ -84,7 +85,7 @@ def plot_error_process(record: dict, out: Path) -> None:
     Left column: the rms over tokens of the per-token norms (dominated by the few tokens that
     carry the model's largest activations); right column: the median token.
     """
-    plt = _plt()
+    plt = pyplot()
     ps = record["per_site"]
     n = record["meta"]["n_sites"]
     k = np.arange(1, n + 1)
@@ -131,7 +132,7 @@ def plot_error_process(record: dict, out: Path) -> None:
 
 def plot_beyond(record: dict, out: Path) -> None:
     """Pareto plot: wire bits per element against the perplexity increase over 16-bit (%)."""
-    plt = _plt()
+    plt = pyplot()
     rows = [r for r in record["rows"] if r["key"] != "16bit"]
     used = set()  # the point colours drawn, for the legend
     fig, ax = plt.subplots(figsize=(9, 6))

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from models.cli import write_json
-from models.experiments.helpers import _command, _now, format_rows
+from models.experiments.helpers import format_rows, recorded_command, utc_now
 from models.train import plot_runs
 
 TAIL = 100
@@ -113,7 +113,7 @@ def run_pretrain_table(args) -> dict:
     for row, path in zip(rows, args.runs):
         row["file"] = str(path)
     record = {"experiment": "pretrain-table", "paper": "the Echo paper Table 7 (Sec. 7.3)",
-              "created": _now(), "command": _command(args), "note": args.note,
+              "created": utc_now(), "command": recorded_command(args), "note": args.note,
               "tail": TAIL, "rows": rows}
     out = Path(args.out_dir) / (f"accuracy_pretrain{'_' + args.tag if args.tag else ''}.json")
     write_json(out, record)
