@@ -42,6 +42,16 @@ import statistics
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+import echo_jax as ej
+from echo_jax import collective, p2p_cuda, projection
+from echo_jax import compensator as comp
 from echo_jax._cli import (SIZE_ALIASES, format_size, parse_size,  # noqa: F401 - bench.parse_size
                            parse_sizes, positive_int, request_host_devices, write_json)
 
@@ -125,9 +135,6 @@ def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None,
     Returns:
       dict(median_s, min_s, max_s, loop_s): seconds per call, and each loop's per-call time.
     """
-    import jax
-    from jax import lax
-
     iters, repeats = max(1, int(iters)), max(1, int(repeats))
     warmup = iters if warmup is None else max(1, int(warmup))
 
@@ -193,7 +200,6 @@ def _memory_budget(devices, virtual: bool) -> tuple:
 
 
 def _configs():
-    import echo_jax as ej
     return {"xla8": ej.EchoConfig(bits=8, transport="xla"),
             "xla4": ej.EchoConfig(bits=4, transport="xla"),
             "p2p8": ej.EchoConfig(bits=8, transport="p2p"),
@@ -208,14 +214,6 @@ def _mesh_rows(mesh, ranks: int):
       dict row -> (fn, compensated): fn maps x (or (x, m1, m2) when compensated) to the per-rank
       results stacked [P, ...] (and the new states).
     """
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-    from jax.sharding import PartitionSpec as PS
-
-    import echo_jax as ej
-    from echo_jax import compensator as comp
-
     cfgs = _configs()
     k = comp.Coefficients.from_config(cfgs["comp"])
 
@@ -257,14 +255,6 @@ def _mesh_rows(mesh, ranks: int):
 
 def _virtual_rows(ranks: int):
     """Per-row functions of [P, n] inputs on one GPU (P virtual ranks); see `_mesh_rows`."""
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-
-    import echo_jax as ej
-    from echo_jax import compensator as comp
-    from echo_jax import collective, p2p_cuda
-
     cfgs = _configs()
     wire = {name: c.replace(transport="auto") for name, c in cfgs.items()}
     k = comp.Coefficients.from_config(wire["comp"])
@@ -305,10 +295,7 @@ def _virtual_rows(ranks: int):
 
 def _row_unavailable(name: str, fn, example, virtual: bool):
     """Why a row cannot run here (None when it can): traces it on `example`."""
-    import jax
-
     if virtual and name.startswith("p2p"):
-        from echo_jax import p2p_cuda
         if not p2p_cuda.available():
             return "the CUDA custom call (echo_jax._ffi_cuda) or a GPU is missing"
     try:
@@ -332,12 +319,6 @@ def bench_allreduce(args) -> dict:
       (against the psum row), bit_identical_across_ranks, and for the fused row
       bit_identical_to_unfused (result and state).
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as PS
-
     dtype = jnp.dtype(args.dtype)
     devices = jax.devices()
     if args.virtual:
@@ -486,8 +467,7 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     if row == "psum":
         return 2 * ranks * n * itemsize
     bits = 8 if row in ("xla8", "p2p8") else 4
-    from echo_jax.projection import wire_bytes_per_element
-    w = wire_bytes_per_element(bits)
+    w = projection.wire_bytes_per_element(bits)
     per_element = 2 * itemsize + w * (3 * (ranks - 1) / ranks + 1)
     if "comp" in row:
         per_element += 24 + itemsize
@@ -498,9 +478,6 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
 
 def _compare(y, ref):
     """(max |y - ref|, whether every rank (row of y) holds the same bits as rank 0)."""
-    import jax.numpy as jnp
-    from jax import lax
-
     err = jnp.max(jnp.abs(y.astype(jnp.float32) - ref.astype(jnp.float32)))
     uint = {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(y.dtype).itemsize]
     bits = lax.bitcast_convert_type(y, uint)
@@ -645,11 +622,6 @@ def bench_kernels(args) -> dict:
     Returns:
       dict(benchmark, device, rows): per op, seconds, bytes moved, GB/s and % of the copy's.
     """
-    import jax
-    import jax.numpy as jnp
-    import echo_jax as ej
-    from echo_jax import p2p_cuda
-
     rows = []
     for size in args.sizes:
         n = size // 4
@@ -696,13 +668,6 @@ def bench_virtual(args) -> dict:
     Returns:
       dict(benchmark, ranks, device, note, rows); `allreduce --virtual` is the fuller table.
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import echo_jax as ej
-    from echo_jax import compensator as comp
-    from echo_jax import p2p_cuda
-
     P = args.ranks
     rows = []
     for size in args.sizes:
@@ -844,7 +809,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", help="write the results to this file")
         if name == "virtual":
             p.add_argument("--ranks", type=positive_int, default=4)
-    from echo_jax import projection
     p = sub.add_parser("project", help="projected all-reduce time on a P-GPU NVLink machine",
                        description="Projected time of one all-reduce (psum, xla4, p2p4, p2p8, "
                                    "comp-fused) on a P-GPU NVLink machine from a stated link "
@@ -888,7 +852,6 @@ def main(argv=None) -> int:
                 print(f"wrote {png}")
             return 0
         if args.cmd == "project":
-            from echo_jax import projection
             projection.run(args)
             return 0
     except ValueError as err:
