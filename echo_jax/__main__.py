@@ -4,41 +4,19 @@ Commands:
   demo   toy residual stack: per-site and accumulated all-reduce error per mode (Eq. 5, Eq. 6)
 
 Each command is a subparser with a handler ``_cmd_<name>(args) -> exit status``; add a command by
-adding a ``_add_<name>`` function to `_COMMANDS`. JAX is imported inside the handlers only: the
-fake CPU devices of the demo are requested through XLA_FLAGS, which XLA reads when its CPU backend
-starts, so the flag must be in the environment before anything touches a device.
+adding a ``_add_<name>`` function to `_COMMANDS`. The fake CPU devices of the demo are requested
+through XLA_FLAGS (`echo_jax._cli.request_host_devices`), which XLA reads when its CPU backend
+starts, not at ``import jax``: the handler sets it before anything touches a device.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-def request_host_devices(count: int) -> None:
-    """Ask XLA for `count` CPU devices (at least 8) unless XLA_FLAGS already sets a count.
-
-    Appends to any existing XLA_FLAGS; an explicit count is left alone (the demo then reports a
-    clear error if it is too small). Takes effect only if no JAX backend has started yet.
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if _DEVICE_COUNT_FLAG in flags:
-        return
-    os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={max(8, count)}".strip()
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+from echo_jax import demo
+from echo_jax._cli import positive_int, request_host_devices, write_json
 
 
 def _unit_float(text: str) -> float:
@@ -65,16 +43,16 @@ def _add_demo(subparsers) -> None:
             "and print the per-site error ||rho_k|| (Echo paper Eq. 5), the accumulated error "
             "max_t ||S_t|| (Eq. 6) and the final output error against an exact fp32 run, with "
             "the Theorem 1 reference constant 1 + mu_w."))
-    p.add_argument("--ranks", type=_positive_int, default=4,
+    p.add_argument("--ranks", type=positive_int, default=4,
                    help="tensor-parallel ranks P (default: %(default)s)")
-    p.add_argument("--sites", type=_positive_int, default=56,
+    p.add_argument("--sites", type=positive_int, default=56,
                    help="all-reduce sites N per pass (default: %(default)s, Qwen3-0.6B's "
                         "28 layers x 2)")
-    p.add_argument("--tokens", type=_positive_int, default=64,
+    p.add_argument("--tokens", type=positive_int, default=64,
                    help="rows of the hidden state (default: %(default)s)")
-    p.add_argument("--dim", type=_positive_int, default=256,
+    p.add_argument("--dim", type=positive_int, default=256,
                    help="width d of the hidden state (default: %(default)s)")
-    p.add_argument("--hidden", type=_positive_int, default=None,
+    p.add_argument("--hidden", type=positive_int, default=None,
                    help="MLP width h, a multiple of --ranks (default: 4 * dim)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the weights and the input (default: %(default)s)")
@@ -88,8 +66,7 @@ def _add_demo(subparsers) -> None:
 
 
 def _cmd_demo(args) -> int:
-    request_host_devices(args.ranks)
-    from echo_jax import demo  # imports JAX: after the device request
+    request_host_devices(args.ranks, minimum=8)
 
     try:
         result = demo.run_demo(ranks=args.ranks, sites=args.sites, tokens=args.tokens,
@@ -100,9 +77,7 @@ def _cmd_demo(args) -> int:
         return 2
     print(demo.format_table(result))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+        write_json(args.json, result, indent=2)
     return 0
 
 

@@ -3,8 +3,6 @@
     python -m echo_jax.bench allreduce [--sizes small,large] [--ranks P] [--virtual] [--rows ...]
                                        [--iters 80] [--warmup 30] [--gate] [--json OUT] [--png OUT]
     python -m echo_jax.bench gate      [--sizes small] [--gate-row ROW]   (the size-gate threshold)
-    python -m echo_jax.bench e2e       [--preset tiny] [--tp P] [--modes psum,echo4-comp]
-                                       [--background-load 0,50,75,100] [--json OUT]
     python -m echo_jax.bench kernels   [--sizes 64MB,256MB] [--json OUT]          (one GPU)
     python -m echo_jax.bench virtual   [--ranks 4] [--sizes 16MB,256MB] [--json OUT]  (one GPU)
     python -m echo_jax.bench project   [--preset a100-nvlink3] [--ranks 4,8] [--json OUT]
@@ -29,9 +27,8 @@ of the one compiled program: a first loop of `--warmup` iterations (it also comp
 reported time is the median over the loops. Dispatch is thus amortised over the loop; the numbers
 are device time plus the loop's own (negligible) bookkeeping.
 
-e2e: time to first token (prefill of batch x seq from an empty KV cache, plus the argmax of the
-last position) and the mean training step (forward, backward, AdamW) of a `models` preset, per
-all-reduce mode, optionally under a background copy load; see `bench_e2e`.
+The end-to-end benchmark of a `models` preset (time to first token and training step per
+all-reduce mode) is `python -m models.bench_e2e`: the library does not import the models.
 """
 
 from __future__ import annotations
@@ -43,13 +40,20 @@ import os
 import re
 import statistics
 import sys
-import threading
 import time
 
-UNITS = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
 
-#: Size aliases of --sizes: the small-message sweep and the large messages of the paper.
-SIZE_ALIASES = {"small": "64KB,256KB,1MB,4MB,16MB", "large": "64MB,256MB,1GB"}
+import echo_jax as ej
+from echo_jax import collective, p2p_cuda, projection
+from echo_jax import compensator as comp
+from echo_jax._cli import (SIZE_ALIASES, format_size, parse_size,  # noqa: F401 - bench.parse_size
+                           parse_sizes, positive_int, request_host_devices, write_json)
 
 #: Rows of `bench allreduce`, in the order they are run and printed.
 ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-rescale", "p2p4-comp-unfused",
@@ -77,60 +81,6 @@ MEMORY_FACTOR = 16
 
 # --------------------------------------------------------------------------------------------
 # Sizes and names
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size such as "64KB", "1.5MB", "1GB" or "4096".
-
-    Args:
-      text: a number with an optional KB / MB / GB suffix (powers of 1024).
-
-    Returns:
-      The size in bytes.
-    """
-    text = text.strip().upper()
-    for unit, mult in UNITS.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * mult)
-    return int(text)
-
-
-def parse_sizes(text: str) -> list:
-    """Sorted distinct sizes of a comma list of sizes and aliases ("small", "large").
-
-    Args:
-      text: e.g. "small,large", "64MB,1GB" or "small,256MB".
-
-    Returns:
-      The sizes in bytes, ascending.
-    """
-    sizes = set()
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        if item.lower() in SIZE_ALIASES:
-            sizes.update(parse_size(s) for s in SIZE_ALIASES[item.lower()].split(","))
-            continue
-        try:
-            size = parse_size(item)
-        except ValueError:
-            raise ValueError(f"bad size {item!r}: use e.g. 64KB, 16MB, 1GB or one of "
-                             f"{sorted(SIZE_ALIASES)}") from None
-        if size <= 0:
-            raise ValueError(f"sizes must be positive, got {item!r}")
-        sizes.add(size)
-    if not sizes:
-        raise ValueError("no sizes given")
-    return sorted(sizes)
-
-
-def format_size(nbytes: int) -> str:
-    """"64KB", "1MB", "1GB", or plain bytes when not a whole number of KB."""
-    for unit, mult in sorted(UNITS.items(), key=lambda kv: -kv[1]):
-        if nbytes >= mult and nbytes % mult == 0:
-            return f"{nbytes // mult}{unit}"
-    return f"{nbytes}B"
 
 
 def device_tag(device) -> str:
@@ -185,9 +135,6 @@ def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None,
     Returns:
       dict(median_s, min_s, max_s, loop_s): seconds per call, and each loop's per-call time.
     """
-    import jax
-    from jax import lax
-
     iters, repeats = max(1, int(iters)), max(1, int(repeats))
     warmup = iters if warmup is None else max(1, int(warmup))
 
@@ -257,7 +204,6 @@ def _memory_budget(devices, virtual: bool) -> tuple:
 
 
 def _configs():
-    import echo_jax as ej
     return {"xla8": ej.EchoConfig(bits=8, transport="xla"),
             "xla4": ej.EchoConfig(bits=4, transport="xla"),
             "p2p8": ej.EchoConfig(bits=8, transport="p2p"),
@@ -272,14 +218,6 @@ def _mesh_rows(mesh, ranks: int):
       dict row -> (fn, compensated): fn maps x (or (x, m1, m2) when compensated) to the per-rank
       results stacked [P, ...] (and the new states).
     """
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-    from jax.sharding import PartitionSpec as PS
-
-    import echo_jax as ej
-    from echo_jax import compensator as comp
-
     cfgs = _configs()
     k = comp.Coefficients.from_config(cfgs["comp"])
 
@@ -321,14 +259,6 @@ def _mesh_rows(mesh, ranks: int):
 
 def _virtual_rows(ranks: int):
     """Per-row functions of [P, n] inputs on one GPU (P virtual ranks); see `_mesh_rows`."""
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-
-    import echo_jax as ej
-    from echo_jax import compensator as comp
-    from echo_jax import collective, p2p_cuda
-
     cfgs = _configs()
     wire = {name: c.replace(transport="auto") for name, c in cfgs.items()}
     k = comp.Coefficients.from_config(wire["comp"])
@@ -369,10 +299,7 @@ def _virtual_rows(ranks: int):
 
 def _row_unavailable(name: str, fn, example, virtual: bool):
     """Why a row cannot run here (None when it can): traces it on `example`."""
-    import jax
-
     if virtual and name.startswith("p2p"):
-        from echo_jax import p2p_cuda
         if not p2p_cuda.available():
             return "the CUDA custom call (echo_jax._ffi_cuda) or a GPU is missing"
     try:
@@ -396,12 +323,6 @@ def bench_allreduce(args) -> dict:
       (against the psum row), bit_identical_across_ranks, and for the fused row
       bit_identical_to_unfused (result and state).
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as PS
-
     dtype = jnp.dtype(args.dtype)
     devices = jax.devices()
     if args.virtual:
@@ -550,8 +471,7 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     if row == "psum":
         return 2 * ranks * n * itemsize
     bits = 8 if row in ("xla8", "p2p8") else 4
-    from echo_jax.projection import wire_bytes_per_element
-    w = wire_bytes_per_element(bits)
+    w = projection.wire_bytes_per_element(bits)
     per_element = 2 * itemsize + w * (3 * (ranks - 1) / ranks + 1)
     if "comp" in row:
         per_element += 24 + itemsize
@@ -562,9 +482,6 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
 
 def _compare(y, ref):
     """(max |y - ref|, whether every rank (row of y) holds the same bits as rank 0)."""
-    import jax.numpy as jnp
-    from jax import lax
-
     err = jnp.max(jnp.abs(y.astype(jnp.float32) - ref.astype(jnp.float32)))
     uint = {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(y.dtype).itemsize]
     bits = lax.bitcast_convert_type(y, uint)
@@ -690,372 +607,10 @@ def plot_allreduce(result: dict, path: str) -> None:
     fig.suptitle(f"all-reduce, {result['machine']} ({result['device']}), P={result['ranks']}, "
                  f"{result['dtype']}")
     fig.tight_layout()
-    _makedirs(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-def _makedirs(path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-
-
-def _write_json(path: str, result: dict) -> None:
-    _makedirs(path)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
-
-
-# --------------------------------------------------------------------------------------------
-# e2e: time to first token and training step of a models preset
-
-
-class BackgroundLoad:
-    """Copies on a background thread for a fraction `duty` of the time (a context manager).
-
-    With two or more devices every busy slice copies a buffer from each device to the next one
-    (a ring of device-to-device copies through the runtime: peer-to-peer copies between GPUs,
-    memory copies between CPU fake devices). With one device it runs a jitted elementwise pass
-    over a buffer on that device (a read and a write of the buffer per pass), which competes for
-    the device and its memory bandwidth, not for a link. The thread is busy for `duty` of each
-    `period_s` and sleeps for the rest; the busy fraction it achieved is `measured_duty`.
-    """
-
-    def __init__(self, duty: float, devices, nbytes: int, period_s: float = 0.05):
-        """Args:
-          duty: fraction of the time in [0, 1] (0: no load).
-          devices: the devices of the run.
-          nbytes: bytes of the buffer per device.
-          period_s: length of one busy + idle cycle.
-        """
-        self.duty, self.devices, self.nbytes, self.period_s = duty, list(devices), nbytes, period_s
-        self.measured_duty = 0.0
-        self.copies = 0
-        self._stop = threading.Event()
-        self._thread = None
-        self._error = None
-
-    def _copier(self):
-        import jax
-        import jax.numpy as jnp
-
-        n = max(1, self.nbytes // 4)
-        bufs = [jax.device_put(jnp.zeros((n,), jnp.float32), d) for d in self.devices]
-        if len(bufs) >= 2:
-            targets = self.devices[1:] + self.devices[:1]
-
-            def once():
-                nonlocal bufs
-                bufs = [jax.device_put(b, d) for b, d in zip(bufs, targets)]
-                jax.block_until_ready(bufs)
-        else:
-            step = jax.jit(lambda b: b + 1.0)
-
-            def once():
-                bufs[0] = step(bufs[0])
-                bufs[0].block_until_ready()
-        once()  # compile / first allocation outside the measured window
-        return once
-
-    def _run(self, once):
-        busy, start = 0.0, time.perf_counter()
-        try:
-            while not self._stop.is_set():
-                t0 = time.perf_counter()
-                while True:  # a busy slice: at least one copy
-                    once()
-                    self.copies += 1
-                    if self._stop.is_set() or (
-                            self.duty < 1.0
-                            and time.perf_counter() - t0 >= self.duty * self.period_s):
-                        break
-                busy += time.perf_counter() - t0
-                if self.duty < 1.0:
-                    # Idle until the busy fraction so far is back at `duty` (corrects slices
-                    # that overran and late wake-ups).
-                    self._stop.wait(max(0.0, busy / self.duty - (time.perf_counter() - start)))
-        except Exception as err:  # noqa: BLE001 - reported by __exit__
-            self._error = err
-        self.measured_duty = busy / max(time.perf_counter() - start, 1e-9)
-
-    def __enter__(self):
-        if self.duty > 0:
-            once = self._copier()
-            self._thread = threading.Thread(target=self._run, args=(once,), daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-        if self._error is not None and exc[0] is None:
-            raise RuntimeError(f"background load failed: {self._error}") from self._error
-        return False
-
-
-_MODE_RE = re.compile(r"^(psum|echo(4|8)(-comp)?)$")
-
-
-def parse_modes(text: str) -> list:
-    """All-reduce modes of `bench e2e`: psum (exact, 16-bit), echo8, echo4, echo4-comp, ...
-
-    Args:
-      text: comma list of modes.
-
-    Returns:
-      The list of mode names (psum first).
-    """
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    for m in modes:
-        if not _MODE_RE.match(m):
-            raise ValueError(f"bad mode {m!r}: use psum, echo8, echo4, echo8-comp or echo4-comp")
-    if "psum" in modes:
-        modes.remove("psum")
-    return ["psum"] + modes
-
-
-#: Mode that times the model with every tensor-parallel all-reduce replaced by the identity.
-NO_ALLREDUCE = "no-allreduce"
-
-
-@contextlib.contextmanager
-def _without_allreduce(counter: list):
-    """While active, traced tensor-parallel sites (echo_jax.tp) return their input unreduced.
-
-    The compute is unchanged (same shapes and ops), so the time of a model traced under this is
-    its time without the all-reduces. `counter` receives one entry per site traced.
-    """
-    from echo_jax import tp
-
-    original = tp._reduce
-
-    def identity(x, axis, config, state, rescale):
-        counter.append(1)
-        return x, state
-
-    tp._reduce = identity
-    try:
-        yield
-    finally:
-        tp._reduce = original
-
-
-def _comm_for(mode: str, tp: int, transport: str):
-    from echo_jax.config import EchoConfig
-    from models.config import CommConfig
-
-    if mode == "psum":
-        return CommConfig(tp=tp)
-    if mode == NO_ALLREDUCE:
-        # Its own axis name: the models' compiled-function caches must not mix it with psum's.
-        return CommConfig(tp=tp, axis_name="tp_noar")
-    m = _MODE_RE.match(mode)
-    bits, comp = int(m.group(2)), bool(m.group(3))
-    return CommConfig(tp=tp, echo=EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
-                                             transport=transport))
-
-
-def default_tp(model_cfg, num_devices: int) -> int:
-    """The largest power-of-two P <= the device count that the preset supports (at least 1)."""
-    from models.config import supported_tp
-
-    ok = [p for p in supported_tp(model_cfg) if p <= max(1, num_devices) and p & (p - 1) == 0]
-    return max(ok) if ok else 1
-
-
-def bench_e2e(args) -> dict:
-    """Time to first token and training step of a models preset, per all-reduce mode and load.
-
-    Modes: psum (the exact 16-bit baseline), echo{4,8}[-comp] (Echo with or without the
-    compensator), and, unless args.no_share, "no-allreduce": the same programs with every
-    tensor-parallel all-reduce replaced by the identity. The all-reduce share of a mode is
-    (T_mode - T_no-allreduce) / T_mode at the same load: the part of the time that the
-    all-reduces add to the critical path (the paper's 1 / (1 - share) bound on the speedup of
-    a faster all-reduce follows from it). The small exact psums outside the sites (the QK-norm
-    gradients and the global gradient norm) stay in every mode.
-
-    Args:
-      args: parsed flags: preset, tp (None: `default_tp`), batch, seq, modes, transport,
-        simulate, iters, warmup, loads (percent), background_mb, seed, no_share.
-
-    Returns:
-      dict with the setup, "timing", "definitions" and one row per (load, mode): ttft_s
-      (median), ttft_mean_s, step_s (mean), step_median_s, speedups against psum at the same
-      load, allreduce_share_ttft / allreduce_share_step, measured_load_pct, final_loss.
-    """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh
-
-    from models import model as M
-    from models import train as T
-    from models.config import CommConfig, check_tp, get_config
-
-    cfg = get_config(args.preset)
-    devices = jax.devices()
-    tp = args.tp or default_tp(cfg, len(devices))
-    check_tp(cfg, tp)
-    seq = args.seq
-    if seq > cfg.max_seq_len:
-        raise ValueError(f"--seq {seq} exceeds the {args.preset!r} preset's max_seq_len "
-                         f"{cfg.max_seq_len}")
-    mesh, placement = T.make_mesh(CommConfig(tp=tp), args.simulate)
-    simulated = mesh is None
-    used = devices[:1] if simulated else devices[:tp]
-    machine = machine_name(devices[0], tp, simulated=simulated)
-    modes = list(args.modes) + ([] if args.no_share else [NO_ALLREDUCE])
-
-    rng = np.random.default_rng(args.seed)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.batch, seq)), jnp.int32)
-    targets = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.batch, seq)), jnp.int32)
-    full = M.init_params(jax.random.key(args.seed), cfg)
-    oc = T.OptimConfig(lr=3e-4, warmup=10, steps=1000)
-
-    runners = {}
-    for mode in modes:
-        comm = _comm_for(mode, tp, args.transport)
-        m = None if simulated else Mesh(np.array(used), (comm.axis_name,))
-        stacked = M.shard_params(full, tp, cfg)
-        params = T.place(stacked, m, comm)
-        optimizer = T.make_optimizer(oc)
-        opt_state = T.place(M.init_opt_state(optimizer, stacked), m, comm)
-        cache = T.place(M.init_cache(cfg, comm, args.batch, seq), m, comm)
-        step = M.make_train_step(cfg, comm, optimizer, m, clip_norm=oc.clip_norm)
-        runners[mode] = dict(comm=comm, mesh=m, params=params, opt_state=opt_state, cache=cache,
-                             step=step, loss=None)
-
-    def context(mode, counter):
-        r = runners[mode]
-        stack = contextlib.ExitStack()
-        if r["mesh"] is not None:
-            stack.enter_context(jax.set_mesh(r["mesh"]))  # the GPU custom call reads it
-        if mode == NO_ALLREDUCE:
-            stack.enter_context(_without_allreduce(counter))
-        return stack
-
-    def ttft(mode):
-        r = runners[mode]
-        t0 = time.perf_counter()
-        logits, _ = M.prefill(r["params"], tokens, r["cache"], cfg, r["comm"], r["mesh"])
-        jnp.argmax(logits[:, -1], axis=-1).block_until_ready()
-        return time.perf_counter() - t0
-
-    def train_step(mode):
-        r = runners[mode]
-        t0 = time.perf_counter()
-        r["params"], r["opt_state"], loss, _ = r["step"](r["params"], r["opt_state"], tokens,
-                                                        targets)
-        loss.block_until_ready()
-        r["loss"] = float(loss)
-        return time.perf_counter() - t0
-
-    # Compile every program before any load runs.
-    sites = []
-    for mode in modes:
-        with context(mode, sites):
-            ttft(mode)
-            train_step(mode)
-    if NO_ALLREDUCE in modes and not sites:
-        raise RuntimeError("no tensor-parallel site was replaced in the no-allreduce mode "
-                           "(echo_jax.tp._reduce was not called); rerun with --no-share")
-
-    rows = []
-    for load in args.loads:
-        tt = {mode: [] for mode in modes}
-        st = {mode: [] for mode in modes}
-        with BackgroundLoad(load / 100.0, used, args.background_mb << 20) as bg:
-            # Round robin over the modes, so a drift of the machine or of the load does not
-            # favour the mode that happens to run first.
-            for i in range(args.warmup + args.iters):
-                for mode in modes:
-                    with context(mode, []):
-                        t = ttft(mode)
-                    if i >= args.warmup:
-                        tt[mode].append(t)
-            for i in range(args.warmup + args.iters):
-                for mode in modes:
-                    with context(mode, []):
-                        t = train_step(mode)
-                    if i >= args.warmup:
-                        st[mode].append(t)
-        for mode in modes:
-            comm = runners[mode]["comm"]
-            rows.append(dict(
-                mode=mode, load_pct=load, bits=16 if comm.echo is None else comm.echo.bits,
-                compensated=bool(comm.echo is not None and comm.echo.compensated),
-                ttft_s=statistics.median(tt[mode]), ttft_mean_s=statistics.fmean(tt[mode]),
-                step_s=statistics.fmean(st[mode]), step_median_s=statistics.median(st[mode]),
-                final_loss=runners[mode]["loss"]))
-        for r in rows:
-            if r["load_pct"] == load:
-                r["measured_load_pct"] = 100.0 * bg.measured_duty
-                r["background_copies"] = bg.copies
-    for load in args.loads:
-        here = {r["mode"]: r for r in rows if r["load_pct"] == load}
-        base, none = here["psum"], here.get(NO_ALLREDUCE)
-        for r in here.values():
-            r["speedup_ttft_vs_psum"] = base["ttft_s"] / r["ttft_s"]
-            r["speedup_step_vs_psum"] = base["step_s"] / r["step_s"]
-            if none is not None and r["mode"] != NO_ALLREDUCE:
-                r["allreduce_share_ttft"] = (r["ttft_s"] - none["ttft_s"]) / r["ttft_s"]
-                r["allreduce_share_step"] = (r["step_s"] - none["step_s"]) / r["step_s"]
-    msg = args.batch * seq * cfg.dim * jnp.dtype(cfg.dtype).itemsize
-    load_what = ("ring of device-to-device copies between the ranks' devices" if len(used) >= 2
-                 else "jitted elementwise pass over a buffer on the one device (competes for "
-                      "the device, not for a link)")
-    return dict(
-        benchmark="e2e", machine=machine, device=str(devices[0].device_kind),
-        platform=devices[0].platform, preset=args.preset, params=cfg.num_params(),
-        n_layers=cfg.n_layers, dim=cfg.dim, compute_dtype=cfg.dtype, tp=tp, batch=args.batch,
-        seq=seq, placement=placement, transport=args.transport,
-        allreduce_calls=dict(prefill=2 * cfg.n_layers, train_step=4 * cfg.n_layers,
-                             message_bytes_per_rank=int(msg)),
-        timing=(f"host wall clock per call with block_until_ready (dispatch included, as a user "
-                f"sees it); the modes take turns call by call; {args.warmup} untimed calls per "
-                f"mode and load first (compilation happens before any load); ttft_s = median of "
-                f"{args.iters} prefills of {args.batch}x{seq} tokens from an empty KV cache plus "
-                f"the argmax of the last position; step_s = mean of {args.iters} training steps "
-                "(forward, backward, global-norm clipping, AdamW) on one fixed random batch"),
-        definitions=dict(
-            allreduce_share="(T_mode - T_no-allreduce) / T_mode at the same load, where "
-                            "no-allreduce runs the same programs with every tensor-parallel "
-                            "all-reduce site (echo_jax.tp) replaced by the identity; may be "
-                            "slightly negative from noise when the all-reduces cost ~nothing",
-            speedup="T_psum / T_mode at the same load",
-            background_load=f"{load_what}, {args.background_mb} MiB per device, busy for the "
-                            "given duty cycle (busy slices of duty x 50 ms, idle until the busy "
-                            "fraction is back at the duty cycle) on a Python thread; "
-                            "measured_load_pct is the busy fraction it achieved"),
-        rows=rows)
-
-
-def format_e2e_table(result: dict) -> str:
-    """The e2e rows as a text table."""
-    head = ("load", "mode", "TTFT", "x psum", "AR share", "step", "x psum", "AR share")
-    widths = (5, 13, 11, 7, 8, 11, 7, 8)
-    lines = [f"e2e on {result['machine']} ({result['device']}): {result['preset']}, "
-             f"P={result['tp']}, batch {result['batch']} x seq {result['seq']}; "
-             f"{result['placement']}",
-             "  ".join(h.rjust(w) if i != 1 else h.ljust(w)
-                       for i, (h, w) in enumerate(zip(head, widths))),
-             "  ".join("-" * w for w in widths)]
-
-    def t(s):
-        return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.3f} s"
-
-    def share(v):
-        return "" if v is None else f"{100 * v:.1f}%"
-
-    for r in result["rows"]:
-        cells = (f"{r['load_pct']:g}%", r["mode"], t(r["ttft_s"]),
-                 f"{r['speedup_ttft_vs_psum']:.2f}", share(r.get("allreduce_share_ttft")),
-                 t(r["step_s"]), f"{r['speedup_step_vs_psum']:.2f}",
-                 share(r.get("allreduce_share_step")))
-        lines.append("  ".join(c.rjust(w) if i != 1 else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(cells, widths))))
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1071,11 +626,6 @@ def bench_kernels(args) -> dict:
     Returns:
       dict(benchmark, device, rows): per op, seconds, bytes moved, GB/s and % of the copy's.
     """
-    import jax
-    import jax.numpy as jnp
-    import echo_jax as ej
-    from echo_jax import p2p_cuda
-
     rows = []
     for size in args.sizes:
         n = size // 4
@@ -1122,13 +672,6 @@ def bench_virtual(args) -> dict:
     Returns:
       dict(benchmark, ranks, device, note, rows); `allreduce --virtual` is the fuller table.
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import echo_jax as ej
-    from echo_jax import compensator as comp
-    from echo_jax import p2p_cuda
-
     P = args.ranks
     rows = []
     for size in args.sizes:
@@ -1180,16 +723,6 @@ def bench_virtual(args) -> dict:
 # Command line
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _sizes_arg(text: str) -> list:
     try:
         return parse_sizes(text)
@@ -1205,24 +738,6 @@ def _rows_arg(text: str) -> list:
     return [r for r in ROWS if r in rows]
 
 
-def _modes_arg(text: str) -> list:
-    try:
-        return parse_modes(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _loads_arg(text: str) -> list:
-    try:
-        loads = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected percentages such as 0,50,100, got "
-                                         f"{text!r}") from None
-    if not loads or any(not 0 <= v <= 100 for v in loads):
-        raise argparse.ArgumentTypeError(f"duty cycles must be in [0, 100], got {text!r}")
-    return loads
-
-
 def _add_allreduce_args(p, gate: bool) -> None:
     p.add_argument("--sizes", type=_sizes_arg, default=parse_sizes("small" if gate else
                                                                    "small,large"),
@@ -1230,7 +745,7 @@ def _add_allreduce_args(p, gate: bool) -> None:
                         f"aliases small ({SIZE_ALIASES['small']}) and large "
                         f"({SIZE_ALIASES['large']}). Default: "
                         f"{'small' if gate else 'small,large'}")
-    p.add_argument("--ranks", type=_positive_int, default=None, metavar="P",
+    p.add_argument("--ranks", type=positive_int, default=None, metavar="P",
                    help="ranks P (default: all local devices; 8 fake devices on CPU; 4 with "
                         "--virtual)")
     p.add_argument("--virtual", action="store_true",
@@ -1241,11 +756,11 @@ def _add_allreduce_args(p, gate: bool) -> None:
                         "runs, as the reference)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the contributions (default: %(default)s)")
-    p.add_argument("--iters", type=_positive_int, default=80,
+    p.add_argument("--iters", type=positive_int, default=80,
                    help="calls per timed loop (default: %(default)s)")
-    p.add_argument("--warmup", type=_positive_int, default=30,
+    p.add_argument("--warmup", type=positive_int, default=30,
                    help="calls of the untimed first loop (default: %(default)s)")
-    p.add_argument("--repeats", type=_positive_int, default=5,
+    p.add_argument("--repeats", type=positive_int, default=5,
                    help="timed loops; the median is reported (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     p.add_argument("--no-memory-check", dest="memory_check", action="store_false",
@@ -1268,6 +783,11 @@ def _add_allreduce_args(p, gate: bool) -> None:
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
 
 
+#: What `python -m echo_jax.bench e2e` prints: the end-to-end benchmark moved to the models.
+E2E_MOVED = ("python -m echo_jax.bench e2e: moved; run `python -m models.bench_e2e` with the same "
+             "flags")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `python -m echo_jax.bench`."""
     parser = argparse.ArgumentParser(prog="python -m echo_jax.bench", description=__doc__,
@@ -1283,51 +803,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the smallest size from which Echo is never slower than psum "
                                    "(EchoConfig.min_bytes: smaller messages go to psum).")
     _add_allreduce_args(p, gate=True)
-    p = sub.add_parser("e2e", help="time to first token and training step of a models preset",
-                       description=bench_e2e.__doc__.split("\n\n")[0] + ". " +
-                       "The all-reduce share is measured against the same programs with the "
-                       "tensor-parallel all-reduces replaced by the identity.")
-    p.add_argument("--preset", default="tiny", help="models preset (default: %(default)s)")
-    p.add_argument("--tp", type=_positive_int, default=None, metavar="P",
-                   help="tensor-parallel ranks (default: the largest power of two the preset "
-                        "supports within the local devices)")
-    p.add_argument("--simulate", action="store_true",
-                   help="simulate the P ranks with jax.vmap on one device (automatic with "
-                        "fewer than P devices)")
-    p.add_argument("--batch", type=_positive_int, default=8, help="batch (default: %(default)s)")
-    p.add_argument("--seq", type=_positive_int, default=64,
-                   help="sequence length of the prefill and of the training batch (default: "
-                        "%(default)s)")
-    p.add_argument("--modes", type=_modes_arg, default=parse_modes("psum,echo4-comp"),
-                   help="all-reduce modes: psum (exact 16-bit), echo8, echo4, echo8-comp, "
-                        "echo4-comp (default: psum,echo4-comp)")
-    p.add_argument("--transport", choices=("auto", "p2p", "xla"), default="auto",
-                   help="Echo transport (default: %(default)s)")
-    p.add_argument("--background-load", dest="loads", type=_loads_arg, default=[0.0],
-                   metavar="PCTS", help="duty cycles of the background copy load in percent, "
-                                        "e.g. 0,50,75,100 (default: 0)")
-    p.add_argument("--background-mb", type=_positive_int, default=16,
-                   help="MiB per device of the background copies (default: %(default)s)")
-    p.add_argument("--iters", type=_positive_int, default=10,
-                   help="timed calls per mode and load (default: %(default)s)")
-    p.add_argument("--warmup", type=_positive_int, default=3,
-                   help="untimed calls per mode and load (default: %(default)s)")
-    p.add_argument("--no-share", action="store_true",
-                   help="skip the no-allreduce runs (no all-reduce share)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="OUT", default=None,
-                   help="JSON output (default: results/bench_e2e_<machine>.json)")
     for name, default in (("kernels", "64MB,256MB"), ("virtual", "16MB,256MB")):
         p = sub.add_parser(name, help="quantizer kernels on one GPU" if name == "kernels" else
                            "older virtual-rank table on one GPU (see allreduce --virtual)")
         p.add_argument("--sizes", type=_sizes_arg, default=parse_sizes(default),
                        help="message sizes per rank, e.g. 64MB,1GB")
-        p.add_argument("--iters", type=_positive_int, default=30)
-        p.add_argument("--repeats", type=_positive_int, default=5)
+        p.add_argument("--iters", type=positive_int, default=30)
+        p.add_argument("--repeats", type=positive_int, default=5)
         p.add_argument("--json", help="write the results to this file")
         if name == "virtual":
-            p.add_argument("--ranks", type=_positive_int, default=4)
-    from echo_jax import projection
+            p.add_argument("--ranks", type=positive_int, default=4)
     p = sub.add_parser("project", help="projected all-reduce time on a P-GPU NVLink machine",
                        description="Projected time of one all-reduce (psum, xla4, p2p4, p2p8, "
                                    "comp-fused) on a P-GPU NVLink machine from a stated link "
@@ -1346,12 +831,15 @@ def main(argv=None) -> int:
     Returns:
       The exit status (0 on success, 2 on a usage or configuration error).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "e2e":
+        print(E2E_MOVED, file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     if args.cmd == "gate" and args.rows is None:
         args.rows = [r for r in ROWS if r == "psum" or r in GATE_ROWS]
-    if args.cmd in ("allreduce", "gate", "e2e"):
-        from echo_jax.__main__ import request_host_devices
-        request_host_devices(getattr(args, "ranks", None) or getattr(args, "tp", None) or 8)
+    if args.cmd in ("allreduce", "gate"):
+        request_host_devices(args.ranks or 8, minimum=8)
     try:
         if args.cmd in ("allreduce", "gate"):
             result = bench_allreduce(args)
@@ -1360,22 +848,14 @@ def main(argv=None) -> int:
             print(format_allreduce_table(result))
             stem = f"results/bench_{args.cmd}_{result['machine']}"
             out = args.json or f"{stem}.json"
-            _write_json(out, result)
+            write_json(out, result)
             print(f"wrote {out}")
             if not args.no_plot and result["rows"]:
                 png = args.png or f"{stem}.png"
                 plot_allreduce(result, png)
                 print(f"wrote {png}")
             return 0
-        if args.cmd == "e2e":
-            result = bench_e2e(args)
-            print(format_e2e_table(result))
-            out = args.json or f"results/bench_e2e_{result['machine']}.json"
-            _write_json(out, result)
-            print(f"wrote {out}")
-            return 0
         if args.cmd == "project":
-            from echo_jax import projection
             projection.run(args)
             return 0
     except ValueError as err:
@@ -1385,7 +865,7 @@ def main(argv=None) -> int:
     for row in result["rows"]:
         print(json.dumps(row))
     if args.json:
-        _write_json(args.json, result)
+        write_json(args.json, result)
     return 0
 
 

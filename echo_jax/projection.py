@@ -106,11 +106,10 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 
 import numpy as np
 
-from echo_jax.bench import format_size, parse_sizes
+from echo_jax._cli import format_size, parse_sizes, write_json
 
 #: Rows of the projection, in the order they are printed.
 ROWS = ("psum", "xla4", "p2p4", "p2p8", "comp-fused")
@@ -637,29 +636,6 @@ def format_table(result: dict) -> str:
                  f"ideal 4-bit byte ratio vs 16-bit: "
                  f"{result['ideal_byte_ratio_4bit_vs_16bit']:.2f}x")
     return "\n".join(lines)
-
-
-def write_json(path: str, result: dict) -> None:
-    """Write `result` to `path` atomically (a temporary file in the same folder, then rename).
-
-    Args:
-      path: the output file; result: a JSON-serialisable dict.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> the mode of a plain open()
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def plot(result: dict, path: str) -> None:

@@ -1,4 +1,4 @@
-"""`python -m models {train,eval,generate,data} ...`: dispatch to the model CLIs.
+"""`python -m models COMMAND ...`: dispatch to the model CLIs.
 
     python -m models train --preset tiny --tp 2 --bits 4 --steps 100
     python -m models train plot a.json b.json -o compare.png
@@ -6,6 +6,7 @@
     python -m models generate --checkpoint smollm2 --prompt "Once upon a time"
     python -m models calibrate --checkpoint smollm2 --tp 3 --budget-bits 4.5 --out policy.json
     python -m models data --help
+    python -m models bench-e2e --preset tiny --tp 2
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ COMMANDS = {
     "calibrate": ("models.calibrate", "choose per-site all-reduce configs under a wire budget "
                                       "(--site-bits policy)"),
     "data": ("models.data", "prepare and tokenize the corpus, print its statistics"),
+    "bench-e2e": ("models.bench_e2e", "time to first token and training step per all-reduce "
+                                      "mode"),
 }
 
 

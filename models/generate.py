@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from models.eval import add_model_args, load_model
-from models.train import add_comm_args, comm_from_args, comm_to_dict, ensure_host_devices, \
-    make_mesh, place
+import jax
+import numpy as np
+
+from models import model as M
+from models.checkpoints import load_model
+from models.cli import (add_comm_args, add_model_args, comm_from_args, comm_to_dict,
+                        ensure_host_devices, make_mesh, place, write_json)
+from models.config import check_comm
 
 # SmolLM2-Instruct's chat template (its default system prompt when none is given).
 CHAT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -46,8 +50,6 @@ def sample_next(logits, temperature: float, top_k: int, rng) -> int:
     Returns:
       The token id.
     """
-    import numpy as np
-
     if temperature <= 0:
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / temperature
@@ -74,11 +76,6 @@ def generate(params_stacked, prompt_ids, model_cfg, comm, mesh, max_new_tokens: 
     Returns:
       {"ids": generated ids, "prefill_s", "decode_s", "stopped": bool}.
     """
-    import jax
-    import numpy as np
-
-    from models import model as M
-
     n = len(prompt_ids)
     capacity = n + max_new_tokens
     if capacity > model_cfg.max_seq_len:
@@ -163,17 +160,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 
 def _run(args) -> dict:
     """Load, generate, print; returns the JSON record of main()."""
-    from models import model as M
-    from models.config import check_comm
-
     comm = comm_from_args(args)
     lm = load_model(args.checkpoint, dtype=args.dtype, step=args.step, tokenizer=args.tokenizer,
                     cache_dir=args.cache_dir)

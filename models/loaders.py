@@ -26,10 +26,12 @@ import os
 import struct
 from typing import Optional
 
+import jax
 import ml_dtypes
 import numpy as np
 
 from models.config import ModelConfig
+from models.model import init_params, param_shapes
 
 # --------------------------------------------------------------------------------------------
 # safetensors (numpy implementation of the format)
@@ -237,8 +239,6 @@ def hf_state_to_params(tensors: dict, cfg: ModelConfig) -> dict:
 
     Raises a ValueError naming missing tensors, tensors of the wrong shape and unexpected ones.
     """
-    from models.model import param_shapes
-
     shapes = param_shapes(cfg)
     pdt = np.dtype(ml_dtypes.bfloat16) if cfg.param_dtype == "bfloat16" else np.dtype(np.float32)
     names = _hf_names(cfg)
@@ -341,10 +341,6 @@ def write_random_hf_checkpoint(path: str, cfg: ModelConfig, seed: int = 0,
 
     Norm scales are drawn around 1 (not exactly 1) so a mix-up of norm tensors is visible.
     """
-    import jax
-
-    from models.model import init_params
-
     params = jax.tree.map(np.asarray, init_params(jax.random.key(seed), cfg))
     rng = np.random.default_rng(seed)
     params = _map_with_names(

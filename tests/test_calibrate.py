@@ -15,6 +15,7 @@ import pytest
 import echo_jax as ej
 from conftest import make_mesh
 from models import calibrate as K
+from models import cli as CLI
 from models import config as C
 from models import model as M
 from models import train as T
@@ -152,20 +153,20 @@ def test_comm_flags_with_site_bits(tmp_path):
     path = tmp_path / "p.json"
     mixed_policy().save(path)
     ap = T.build_parser()
-    comm = T.comm_from_args(ap.parse_args(["--tp", "2", "--site-bits", str(path),
-                                           "--transport", "xla"]))
+    comm = CLI.comm_from_args(ap.parse_args(["--tp", "2", "--site-bits", str(path),
+                                             "--transport", "xla"]))
     assert comm.site_policy.configs == (E4, E8, None) and comm.echo is None
     assert comm.compensate_forward and "site policy" in comm.describe()
-    off = T.comm_from_args(ap.parse_args(["--tp", "2", "--site-bits", str(path),
-                                          "--no-compensation"]))
+    off = CLI.comm_from_args(ap.parse_args(["--tp", "2", "--site-bits", str(path),
+                                            "--no-compensation"]))
     assert off.forward_configs()[0].eta == 0.0 and "nocomp" in off.describe()
-    d = T.comm_to_dict(comm)
+    d = CLI.comm_to_dict(comm)
     assert d["bits"] is None and d["site_policy"]["forward"] == [[0, 1], [2, 0]]
     json.dumps(d)
     with pytest.raises(ValueError, match="exclusive"):
-        T.comm_from_args(ap.parse_args(["--site-bits", str(path), "--early-8bit"]))
+        CLI.comm_from_args(ap.parse_args(["--site-bits", str(path), "--early-8bit"]))
     with pytest.raises(ValueError, match="--site-bits: .*missing.json"):
-        T.comm_from_args(ap.parse_args(["--site-bits", str(tmp_path / "missing.json")]))
+        CLI.comm_from_args(ap.parse_args(["--site-bits", str(tmp_path / "missing.json")]))
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from models import checkpoints as CK
+from models import cli as CLI
 from models import eval as E
 from models import generate as G
 from models import train as T
@@ -119,14 +121,14 @@ def test_train_loss_decreases_and_outputs_are_written(run, capsys):
     cfg = rec["config"]
     assert cfg["model"]["vocab_size"] == 384 and cfg["comm"]["label"] == "P=2 echo 4-bit comp"
     assert (run / "A.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert T.latest_step(run / "ckA") == STEPS
+    assert CK.latest_step(run / "ckA") == STEPS
     assert (run / "ckA" / "tokenizer.json").is_file()
 
 
 def test_resume_continues_from_the_saved_step_exactly(run, capsys):
     ckpt = run / "ckB"
     assert T.main(train_args(run, ckpt, "--stop-at", "15", "--json", str(run / "B.json"))) == 0
-    assert T.latest_step(ckpt) == 15
+    assert CK.latest_step(ckpt) == 15
     assert len(read_json(run / "B.json")["history"]) == 15
     capsys.readouterr()
     # The same command without --stop-at continues at step 16: parameters, optimizer state
@@ -136,7 +138,7 @@ def test_resume_continues_from_the_saved_step_exactly(run, capsys):
     a = [h["loss"] for h in read_json(run / "A.json")["history"]]
     b = [h["loss"] for h in read_json(run / "B.json")["history"]]
     np.testing.assert_allclose(b, a, rtol=1e-6)
-    assert T.latest_step(ckpt) == STEPS
+    assert CK.latest_step(ckpt) == STEPS
     # Nothing left to do: a third call trains nothing and keeps the history.
     assert T.main(train_args(run, ckpt, "--json", str(run / "B.json"))) == 0
     assert "nothing to train" in capsys.readouterr().out
@@ -182,7 +184,7 @@ def test_train_on_the_real_corpus(run, capsys):
     out = capsys.readouterr().out
     n_train = int(out.split("data: ")[1].split(" training")[0].replace(",", ""))
     assert n_train > 1_000_000                                        # 39 works
-    assert T.latest_step(run / "ckS") == 3
+    assert CK.latest_step(run / "ckS") == 3
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,7 +291,7 @@ def test_rotation_flag_changes_the_sites():
     import jax
 
     from models import model as M
-    from models.train import comm_from_args
+    from models.cli import comm_from_args
 
     cfg = get_config("tiny")
     params = M.shard_params(M.init_params(jax.random.key(7), cfg), 2, cfg)

@@ -2,17 +2,22 @@
 
 Random weights of the `tiny` preset (the text fed as UTF-8 bytes), a couple of 32-token windows,
 so each run takes seconds. The tests check that the pipeline runs and writes the JSON fields and
-the PNG, not the numbers; and that the instrumented forward pass of the error-process study
-computes exactly what the model computes.
+the PNG, not the numbers; and that the measurements of the error-process study (the model's own
+forward pass, read through its site tap) equal the hand-written forward pass they replaced.
 """
 
 import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
+from echo_jax import compensator as comp
+from echo_jax.collective import echo_psum
+from models import data as D
 from models import experiments as X
 from models import model as M
 from models.config import get_config
@@ -212,7 +217,7 @@ def test_instrumented_sites_match_a_numpy_replay():
 
     for key in ("4bit-none", "4bit-comp"):
         comm = modes[key].comm
-        fn = jax.jit(jax.vmap(lambda p, t: X.instrumented_forward(p, t, cfg, comm, hook=tap)[3],
+        fn = jax.jit(jax.vmap(lambda p, t: X.measure_sites(p, t, cfg, comm, hook=tap)[2],
                               in_axes=(0, None), axis_name=comm.axis_name))
         sites = jax.device_get(fn(params, tokens))
         parts, ys = (np.asarray(a, np.float64) for a in sites["hook"])   # [P, 2L, B, T, D]
@@ -307,13 +312,180 @@ def test_pretrain_table_rejects_a_log_without_history(tmp_path, capsys):
 
 def test_window_selection_and_limits(text_file, tmp_path, capsys):
     tokens = np.arange(1001)
-    w = X.select_windows(tokens, 100, 3, contiguous=False)          # 10 candidates, 3 spread
+    w = D.select_windows(tokens, 100, 3, contiguous=False)          # 10 candidates, 3 spread
     assert w.shape == (3, 101) and int(w[0][0]) == 0 and int(w[-1][0]) == 900
-    w = X.select_windows(tokens, 100, 3, contiguous=True)
+    w = D.select_windows(tokens, 100, 3, contiguous=True)
     assert [int(x[0]) for x in w] == [0, 100, 200]
-    assert X.select_windows(tokens, 100, None, contiguous=False).shape == (10, 101)
+    assert D.select_windows(tokens, 100, None, contiguous=False).shape == (10, 101)
     # --max-tokens below one window is a clear error, not an empty table.
     assert X.main(["inference", *common(text_file, tmp_path, "--max-tokens", "16")]) == 1
     assert "below one --window" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         X.main(["inference", *common(text_file, tmp_path, "--windows", "0")])
+
+
+# --------------------------------------------------------------------------------------------
+# The site tap against the hand-written forward pass it replaced
+
+
+def _reference_instrumented_forward(params, tokens, model_cfg, comm, hook=None, hook_xs=None):
+    """The hand-written per-rank forward pass the error-process study used before the model got
+    its site tap: kept here only as the reference of the parity test.
+
+    One rank's forward pass (as ``models.model.forward_local``) measuring every forward site.
+
+    Call it inside ``jax.vmap(..., axis_name=comm.axis_name)`` or shard_map, like the model. It
+    computes the same values as the Flax model (same building blocks, the same
+    ``echo_psum`` / ``lax.psum`` call at every site g) and, beside each all-reduce, the exact fp32
+    sum of the contributions, so that at site k (two per layer: attention, then MLP):
+
+        delta_k = y_k - sum_i x'_k,i    the error the all-reduce injects (Eq. 1; x' = x + c)
+        rho_k   = y_k - sum_i x_k,i     net error, delta_k + C_k (Eq. 5; = delta_k uncompensated)
+        S_t     = sum_{k <= t} rho_k    the accumulated error (Eq. 6)
+
+    All are measured per token, as the L2 norm of one d-dimensional hidden-state vector (the
+    norm of the paper's bounds); also the block output sum_i x_k,i, the hidden state after the
+    site and this rank's compensator state sqrt(||m1||^2 + ||m2||^2).
+
+    Args:
+      params: this rank's parameters (``models.model.param_shapes(model_cfg, P)``).
+      tokens: int [B, T].
+      model_cfg, comm: the configs (``comm.echo`` None: exact; early 8-bit and site policies
+        not supported).
+      hook: optional extra tap, hook(part, y, xs) -> pytree of arrays, called at every site with
+        this rank's contribution, the all-reduced sum and the site's slice of `hook_xs`
+        (``models.calibrate`` measures the error of other configs there).
+      hook_xs: pytree of arrays [2 L, ...] (site k's slice goes to its hook call), or None.
+
+    Returns:
+      (final hidden state after the final norm [B, T, D] in the compute dtype, logits fp32
+      [B, T, V], residual stream before the final norm fp32 [B, T, D], a dict of fp32
+      [2 L, B, T] per-token norms keyed by `SITE_KEYS`; with a hook also "hook": its outputs
+      stacked [2 L, ...]).
+    """
+    if comm.early_8bit or comm.site_policy is not None:
+        raise ValueError("_reference_instrumented_forward: early_8bit and site policies are not "
+                         "supported")
+    cfg, axis, p = model_cfg, comm.axis_name, comm.tp
+    f32 = jnp.float32
+    dt = jnp.dtype(cfg.dtype)
+    b, t = tokens.shape
+    e = comm.echo
+    compensated = e is not None and e.compensated and comm.compensate_forward
+    coef = comp.Coefficients.from_config(e) if compensated else None
+    positions = jnp.arange(t, dtype=jnp.int32)
+    cos, sin = M.rope_tables(positions, cfg.head_dim, cfg.rope_base)
+
+    def norm(v):  # per-token L2 norm over the hidden dimension: [B, T]
+        return jnp.sqrt(jnp.sum(jnp.square(v.astype(f32)), axis=-1))
+
+    def dense(x, w):
+        return jnp.dot(x.astype(dt), w.astype(dt))
+
+    def site(part, s_sum, state):
+        exact = lax.psum(part.astype(f32), axis)               # sum_i x_k,i, fp32
+        if e is None:
+            y = lax.psum(part, axis)
+            injected = exact
+        elif not compensated:
+            y = echo_psum(part, axis, config=e)
+            injected = exact
+        else:
+            injected = lax.psum(comp.apply_correction(part.astype(f32), state, coef), axis)
+            y, state = echo_psum(part, axis, config=e, state=state)
+        y32 = y.astype(f32)
+        rho = y32 - exact
+        s_sum = s_sum + rho
+        st = (jnp.sqrt(jnp.square(norm(state.m1)) + jnp.square(norm(state.m2)))
+              if state is not None else jnp.zeros((b, t), f32))
+        return y, s_sum, state, (norm(y32 - injected), norm(rho), norm(s_sum), norm(exact), st)
+
+    def layer(carry, xs):
+        lp, hx = xs
+        h, s_sum, state = carry
+        at = lp["attn"]
+        x = M.rms_norm(h, lp["attn_norm"]["scale"], cfg.norm_eps).astype(dt)
+        heads, kv, hd = cfg.n_heads // p, cfg.n_kv_heads // p, cfg.head_dim
+        q = dense(x, at["q_proj"]["kernel"]).reshape(b, t, heads, hd)
+        k = dense(x, at["k_proj"]["kernel"]).reshape(b, t, kv, hd)
+        v = dense(x, at["v_proj"]["kernel"]).reshape(b, t, kv, hd)
+        if cfg.qk_norm:
+            q = M.rms_norm(q, at["q_norm"]["scale"], cfg.norm_eps).astype(dt)
+            k = M.rms_norm(k, at["k_norm"]["scale"], cfg.norm_eps).astype(dt)
+        q, k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
+        part = dense(M.attention(q, k, v, positions, positions), at["o_proj"]["kernel"])
+        y, s_sum, state, st1 = site(part, s_sum, state)
+        tap1 = None if hook is None else hook(part, y, jax.tree.map(lambda a: a[0], hx))
+        h = h + y
+        hid1 = norm(h)
+        ml = lp["mlp"]
+        x = M.rms_norm(h, lp["mlp_norm"]["scale"], cfg.norm_eps).astype(dt)
+        gate = dense(x, ml["gate_proj"]["kernel"])
+        up = dense(x, ml["up_proj"]["kernel"])
+        part = dense(jax.nn.silu(gate) * up, ml["down_proj"]["kernel"])
+        y, s_sum, state, st2 = site(part, s_sum, state)
+        tap2 = None if hook is None else hook(part, y, jax.tree.map(lambda a: a[1], hx))
+        h = h + y
+        hid2 = norm(h)
+        stats = [jnp.stack([a, c]) for a, c in zip(st1, st2)]  # per key: [2, B, T]
+        stats.insert(4, jnp.stack([hid1, hid2]))
+        taps = None if hook is None else jax.tree.map(lambda a, c: jnp.stack([a, c]), tap1, tap2)
+        return (h, s_sum, state), (tuple(stats), taps)
+
+    emb = params["embed"]["embedding"]
+    h = jnp.take(emb.astype(dt), tokens, axis=0)                       # [B, T, D]
+    state = comp.init_state(h, e) if compensated else None
+    carry = (h, jnp.zeros(h.shape, f32), state)
+    n_layers = cfg.n_layers
+    hx = None if hook_xs is None else jax.tree.map(
+        lambda a: a.reshape((n_layers, 2) + a.shape[1:]), hook_xs)   # [2L, ...] -> [L, 2, ...]
+    (h, _, _), (stats, taps) = lax.scan(layer, carry, (params["layers"], hx))
+    resid = h.astype(f32)
+    hn = M.rms_norm(h, params["final_norm"]["scale"], cfg.norm_eps).astype(dt)
+    head = emb.T if cfg.tie_embeddings else params["lm_head"]
+    logits = jnp.einsum("btd,dv->btv", hn, head.astype(dt), preferred_element_type=f32)
+    per_site = {k: s.reshape(-1, b, t) for k, s in zip(X.SITE_KEYS, stats)}  # [L,2,..] -> [2L,..]
+    if hook is not None:
+        per_site["hook"] = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), taps)
+    return hn, logits, resid, per_site
+
+
+@pytest.mark.parametrize("key", ["exact", "4bit-none", "4bit-comp"])
+def test_site_tap_equals_the_old_instrumented_forward(key):
+    """`measure_sites` (the model's own forward pass, read through its site tap) gives the
+    per-site values, logits, residual stream and hook outputs of the old hand-written forward.
+
+    The modes of test_instrumented_forward_equals_the_model. At 8 bits the two programs (compiled
+    apart: the model has optimization barriers the old one had not) put a few values one
+    quantization level apart, which only says that they round differently."""
+    tp = 2
+    cfg = get_config("tiny")
+    params = M.shard_params(M.init_params(jax.random.key(7), cfg), tp, cfg)
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 16)).astype(np.int32)
+    comm = {v.key: v for v in X.error_process_modes(tp)}[key].comm
+    n_sites = 2 * cfg.n_layers
+    scale = jnp.arange(1, n_sites + 1, dtype=jnp.float32)         # per-site hook input
+
+    def hook(part, y, s):
+        return {"part": part.astype(jnp.float32) * s, "y": y.astype(jnp.float32)}
+
+    def new(p, t):
+        return X.measure_sites(p, t, cfg, comm, hook=hook, hook_xs=scale)
+
+    def old(p, t):
+        _, logits, resid, sites = _reference_instrumented_forward(p, t, cfg, comm, hook=hook,
+                                                                  hook_xs=scale)
+        return logits, resid, sites
+
+    run = lambda f: jax.device_get(jax.jit(jax.vmap(  # noqa: E731
+        f, in_axes=(0, None), axis_name=comm.axis_name))(params, tokens))
+    (logits, resid, sites), (ref_logits, ref_resid, ref_sites) = run(new), run(old)
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(resid, ref_resid, rtol=1e-5, atol=1e-6)
+    assert set(sites) == set(ref_sites) == set(X.SITE_KEYS) | {"hook"}
+    for k in X.SITE_KEYS:
+        assert sites[k].shape == (tp, n_sites, 2, 16)
+        np.testing.assert_allclose(sites[k], ref_sites[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for k in ("part", "y"):
+        np.testing.assert_allclose(sites["hook"][k], ref_sites["hook"][k], rtol=1e-5, atol=1e-6,
+                                   err_msg=k)

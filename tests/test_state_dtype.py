@@ -278,7 +278,7 @@ def test_tp_sites_keep_the_dtype_through_grad():
 def test_models_thread_a_bf16_state():
     from models import config as C
     from models import model as M
-    from models.train import add_comm_args, comm_from_args
+    from models.cli import add_comm_args, comm_from_args
     import argparse
 
     ap = argparse.ArgumentParser()
