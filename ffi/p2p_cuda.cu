@@ -927,7 +927,7 @@ ffi::Error run_rank(Group& grp, int rank, cudaStream_t stream, const CallAttrs& 
   const bool aligned =
       aligned16(x) && aligned16(y) && (m1 == nullptr || (aligned16(m1) && aligned16(m2)));
   void (*kernel)(KernelArgs) = nullptr;
-  if (fast_ok && aligned && !fast::generic_kernels_forced()) {
+  if (fast_ok && aligned && fast::has_fast_policy(at.policy) && !fast::generic_kernels_forced()) {
     kernel = at.bits == 4 ? fast_kernel_for<T, COMP, 4, 32, 64, 128, 256>(at.g)
                           : fast_kernel_for<T, COMP, 8, 32, 64, 128, 256>(at.g);
   }

@@ -391,7 +391,8 @@ bool quantize_fast_g(cudaStream_t s, const T* x, int64_t groups, int g, uint8_t*
 template <typename T>
 bool quantize_fast(cudaStream_t s, const void* x, int64_t groups, int g, int bits, int policy,
                    uint8_t* packed, uint16_t* params) {
-  if (fast::generic_kernels_forced() || !aligned(x, 16) || !aligned(packed, 8) || !aligned(params, 4))
+  if (fast::generic_kernels_forced() || !fast::has_fast_policy(policy) || !aligned(x, 16) ||
+      !aligned(packed, 8) || !aligned(params, 4))
     return false;
   const T* xt = static_cast<const T*>(x);
   return with_format(bits, policy, [&](auto b, auto p) {
@@ -430,7 +431,8 @@ void launch_dequantize(cudaStream_t s, const uint8_t* packed, const uint16_t* pa
                        int64_t groups, int g, int bits, int policy, float* y) {
   int log2g = 0;
   while ((1 << log2g) < g) ++log2g;
-  if (!fast::generic_kernels_forced() && (1 << log2g) == g && g >= 4 && aligned(y, 16) &&
+  if (!fast::generic_kernels_forced() && fast::has_fast_policy(policy) && (1 << log2g) == g &&
+      g >= 4 && aligned(y, 16) &&
       aligned(packed, 4) && aligned(params, 4)) {
     with_format(bits, policy, [&](auto b, auto p) {
       launch_dequantize_fast<decltype(b)::value, decltype(p)::value>(s, packed, params, groups * g,

@@ -139,6 +139,13 @@ ECHO_HD void range_add(Range& r, float v) {
 }
 ECHO_HD bool range_finite(const Range& r) { return is_finite(r.lo) && is_finite(r.hi); }
 
+// Whether a policy has fast (templated) kernels: the three of echo_common.h's table today. A new
+// policy runs the generic kernels (its make_params / encode_value in echo_common.h) until it is
+// added here and to the dispatches (ffi/quant_cuda.cu with_format, fast_io.cuh make_encoder).
+ECHO_HD constexpr bool has_fast_policy(int policy) {
+  return policy == kPolicyAsym || policy == kPolicySym || policy == kPolicyAsymNaive;
+}
+
 // ---- parameters ----------------------------------------------------------------------------
 
 // What the encoder of one group needs, and the group's parameters as they go on the wire.

@@ -47,9 +47,21 @@ def ensure_host_devices(n: int) -> None:
     request_host_devices(n, minimum=1)
 
 
-def add_simulate_arg(group) -> None:
-    """Add --simulate (force the vmap simulation of the P ranks) to a parser or group."""
-    group.add_argument("--simulate", action="store_true", help=SIMULATE_HELP)
+def add_simulate_arg(group, default: bool = False) -> None:
+    """Add --simulate (force the vmap simulation of the P ranks) to a parser or group.
+
+    Args:
+      group: an argparse parser or argument group.
+      default: True for a CLI whose runs simulate unless told otherwise (the studies of
+        `models.experiments`, whose committed results were simulated); it then also takes
+        --no-simulate (shard_map over P devices).
+    """
+    if default:
+        group.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True,
+                           help="simulate the P ranks with jax.vmap on one device (default); "
+                                "--no-simulate runs them under shard_map over P devices")
+    else:
+        group.add_argument("--simulate", action="store_true", help=SIMULATE_HELP)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -5,15 +5,12 @@ and inside functions alike: a cycle hidden in a function body is still a cycle o
 edge goes to the most specific module named (``from models import cli`` -> models.cli); a
 package's ``__init__`` is the package's own module.
 
-Checked: the library never imports the models; no module of models/ is on an import cycle. The
-cycles inside echo_jax (collective <-> p2p <-> p2p_cuda) are being removed separately: that
-check is an expected failure until then (strict=False, so it turns into a pass by itself).
+Checked: the library never imports the models; no module of models/ is on an import cycle; no
+module of echo_jax/ is either (the transports sit below collective, p2p and p2p_cuda).
 """
 
 import ast
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("echo_jax", "models")
@@ -131,7 +128,5 @@ def test_no_import_cycle_involves_models():
     assert not bad
 
 
-@pytest.mark.xfail(strict=False, reason="the echo_jax cycles (collective <-> p2p <-> p2p_cuda) "
-                                        "are being removed in a separate change")
 def test_no_import_cycle_inside_echo_jax():
     assert not cycles(import_graph())

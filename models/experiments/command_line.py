@@ -50,7 +50,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="take the first windows of the text instead of spreading them evenly")
     w.add_argument("--batch-size", type=int, default=2,
                    help="windows per forward pass. Default 2 (fastest on a 2-core CPU).")
-    add_simulate_arg(w)
+    add_simulate_arg(w, default=True)
     o = p.add_argument_group("output")
     o.add_argument("--out-dir", default=RESULTS_DIR,
                    help=f"where JSON and PNG go. Default {RESULTS_DIR}/.")
