@@ -109,7 +109,9 @@ import os
 
 import numpy as np
 
+from echo_jax import policies
 from echo_jax._cli import format_size, parse_sizes, write_json
+from echo_jax.transports.base import segment_layout
 
 #: Rows of the projection, in the order they are printed.
 ROWS = ("psum", "xla4", "p2p4", "p2p8", "comp-fused")
@@ -184,13 +186,12 @@ def wire_bytes_per_element(bits: int, group_size: int = 128, policy: str = "asym
     Args:
       bits: 4 or 8.
       group_size: g, values per group.
-      policy: "asym" / "asym_naive" (scale + zero-point: 4/g) or "sym" (scale only: 2/g).
+      policy: a policy name (`echo_jax.policies`: scale + zero-point 4/g, scale only 2/g).
 
     Returns:
       b/8 + 4/g (asym) or b/8 + 2/g (sym); 0.53125 at 4 bits, g = 128, asym.
     """
-    params = 2 if policy == "sym" else 4
-    return bits / 8 + params / group_size
+    return policies.wire_bits_per_element(bits, group_size, policy) / 8
 
 
 def ideal_byte_ratio(bits: int = 4, group_size: int = 128, policy: str = "asym",
@@ -301,12 +302,11 @@ def launch_plan(num_elements: int, ranks: int, bits: int, group_size: int = 128,
       (tiles per chunk k, chunks C).
     """
     g = group_size
-    groups = max(1, math.ceil(num_elements / g))
-    seg_groups = math.ceil(groups / ranks)
+    seg_groups, _ = segment_layout(num_elements, ranks, g)
     tile_groups = min(max(math.ceil(seg_groups / MIN_TILES_PER_SEGMENT), 1),
                       max(1, TILE_VALUES // g))
     tiles = math.ceil(seg_groups / tile_groups)
-    per_group = g * bits // 8 + (2 if policy == "sym" else 4)
+    per_group = policies.wire_bytes_per_group(g, bits, policy)
     cap_tiles = min((slot_bytes - 64) // per_group // tile_groups, MAX_TILES)
     chunk_tiles = max(1, min(cap_tiles, tiles))
     return chunk_tiles, math.ceil(tiles / chunk_tiles)
@@ -735,7 +735,7 @@ def add_arguments(p) -> None:
     p.add_argument("--state-bytes", type=wrap(positive), default=4.0,
                    help="compensator state bytes per value: 4 (fp32, default) or 2 (bf16)")
     p.add_argument("--group-size", type=int, default=128, help="g (default: %(default)s)")
-    p.add_argument("--policy", choices=("asym", "sym"), default="asym",
+    p.add_argument("--policy", choices=policies.NAMES, default="asym",
                    help="quantizer policy, sets the per-group parameter bytes (default: asym)")
     p.add_argument("--kernels-json", default=DEFAULT_KERNELS_JSON,
                    help="`bench kernels` JSON for the kernel efficiency, or none "

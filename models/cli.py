@@ -25,12 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from echo_jax import policies
 from echo_jax._cli import request_host_devices, write_json
 from echo_jax.config import EchoConfig
 from models import model as M
 from models.config import CommConfig, load_site_policy
 
-POLICIES = ("asym", "sym", "asym_naive")
+POLICIES = policies.NAMES
 TRANSPORTS = ("auto", "p2p", "xla")
 DTYPES = ("float32", "bfloat16", "float16")
 
