@@ -133,7 +133,8 @@
   } while (0)
 #endif
 
-namespace echo_jax {
+namespace echo {
+namespace cpu {
 
 // Host utilities exported to the nanobind module (ffi/module.cc declares them too).
 void GetCpuRegistryStats(int64_t* workspaces, int64_t* pending_joins, int64_t* cached_bindings);
@@ -276,7 +277,7 @@ ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, ff
     ECHO_FFI_ASSIGN_OR_RETURN(c.k.c1, GetAttr<float>(attrs, "c1", kWhere));
     ECHO_FFI_ASSIGN_OR_RETURN(c.k.b2, GetAttr<float>(attrs, "b2", kWhere));
     ECHO_FFI_ASSIGN_OR_RETURN(c.k.c2, GetAttr<float>(attrs, "c2", kWhere));
-    ECHO_FFI_ASSIGN_OR_RETURN(c.k.inv_p, GetAttr<float>(attrs, "inv_ranks", kWhere));
+    ECHO_FFI_ASSIGN_OR_RETURN(c.k.inv_p, GetAttr<float>(attrs, "inv_p", kWhere));
   }
   c.num_ranks = static_cast<int>(num_ranks);
   c.bits = static_cast<int>(bits);
@@ -1231,7 +1232,7 @@ ffi::Future EchoAllReduceCpuImpl(int32_t device_ordinal, ffi::RunId run_id, Buff
   return Launch(std::move(job), address);
 }
 
-ffi::Future EchoAllReduceCompensatedCpuImpl(int32_t device_ordinal, ffi::RunId run_id,
+ffi::Future EchoAllReduceCompCpuImpl(int32_t device_ordinal, ffi::RunId run_id,
                                             Buffer_Type x, F32Buffer_Type m1,
                                             F32Buffer_Type m2, S32Buffer_Type coords,
                                             F32Buffer_Type factor, Result_Type y,
@@ -1251,38 +1252,39 @@ void GetCpuRegistryStats(int64_t* workspaces, int64_t* pending_joins, int64_t* c
 }
 void ReleaseCpuWorkspaces() { GetRegistry().Release(); }
 
-}  // namespace echo_jax
+}  // namespace cpu
+}  // namespace echo
 
 // -------------------------------------------------------------------------------------------
 // Handler bindings (C symbols, wrapped into capsules by ffi/module.cc).
 // -------------------------------------------------------------------------------------------
 
-// echo_jax_allreduce (platform "cpu"): y = QAR(x), the Echo quantized all-reduce.
+// echo_allreduce_cpu (platform "cpu"): y = QAR(x), the Echo quantized all-reduce.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    EchoAllReduceCpu, echo_jax::EchoAllReduceCpuImpl,
-    echo_jax::FFI::Bind()
+    echo_allreduce_cpu, echo::cpu::EchoAllReduceCpuImpl,
+    echo::FFI::Bind()
         .Ctx<xla::ffi::DeviceOrdinal>()          // this rank's device (identifies it in the join)
         .Ctx<xla::ffi::RunId>()                  // this execution, shared by all its devices
-        .Arg<echo_jax::Buffer_Type>()            // x: [n] f32/bf16/f16, this rank's contribution
-        .Arg<echo_jax::S32Buffer_Type>()         // coords: int32 [2] = (rank, group id)
-        .Arg<echo_jax::F32Buffer_Type>()         // factor: f32 [1], power of two (1: no rescale)
-        .Ret<echo_jax::Buffer_Type>()            // y: [n] x's dtype, the sum, same on every rank
+        .Arg<echo::Buffer_Type>()            // x: [n] f32/bf16/f16, this rank's contribution
+        .Arg<echo::S32Buffer_Type>()         // coords: int32 [2] = (rank, group id)
+        .Arg<echo::F32Buffer_Type>()         // factor: f32 [1], power of two (1: no rescale)
+        .Ret<echo::Buffer_Type>()            // y: [n] x's dtype, the sum, same on every rank
         .Attrs());  // num_ranks, bits, group_size, policy, segment_groups, site, timeout_ms,
                     // debug_absent_rank, debug_failing_rank, debug_failing_stage,
                     // debug_failure (see echo_jax/transports/cpu.py)
 
-// echo_jax_allreduce_compensated (platform "cpu"): Algorithm 1 fused into the all-reduce.
+// echo_allreduce_comp_cpu (platform "cpu"): Algorithm 1 fused into the all-reduce.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    EchoAllReduceCompensatedCpu, echo_jax::EchoAllReduceCompensatedCpuImpl,
-    echo_jax::FFI::Bind()
+    echo_allreduce_comp_cpu, echo::cpu::EchoAllReduceCompCpuImpl,
+    echo::FFI::Bind()
         .Ctx<xla::ffi::DeviceOrdinal>()          // this rank's device (identifies it in the join)
         .Ctx<xla::ffi::RunId>()                  // this execution, shared by all its devices
-        .Arg<echo_jax::Buffer_Type>()            // x: [n] f32/bf16/f16, before correction
-        .Arg<echo_jax::F32Buffer_Type>()         // m1: fp32 [n], slow average (aliased to m1_out)
-        .Arg<echo_jax::F32Buffer_Type>()         // m2: fp32 [n], fast average (aliased to m2_out)
-        .Arg<echo_jax::S32Buffer_Type>()         // coords: int32 [2] = (rank, group id)
-        .Arg<echo_jax::F32Buffer_Type>()         // factor: f32 [1], applied after x + c
-        .Ret<echo_jax::Buffer_Type>()            // y: [n] x's dtype, QAR(x + c), same on all ranks
-        .Ret<echo_jax::F32Buffer_Type>()         // m1_out: fp32 [n], updated slow average
-        .Ret<echo_jax::F32Buffer_Type>()         // m2_out: fp32 [n], updated fast average
-        .Attrs());  // as above plus ea, eb, b1, c1, b2, c2, inv_ranks (fp32 coefficients)
+        .Arg<echo::Buffer_Type>()            // x: [n] f32/bf16/f16, before correction
+        .Arg<echo::F32Buffer_Type>()         // m1: fp32 [n], slow average (aliased to m1_out)
+        .Arg<echo::F32Buffer_Type>()         // m2: fp32 [n], fast average (aliased to m2_out)
+        .Arg<echo::S32Buffer_Type>()         // coords: int32 [2] = (rank, group id)
+        .Arg<echo::F32Buffer_Type>()         // factor: f32 [1], applied after x + c
+        .Ret<echo::Buffer_Type>()            // y: [n] x's dtype, QAR(x + c), same on all ranks
+        .Ret<echo::F32Buffer_Type>()         // m1_out: fp32 [n], updated slow average
+        .Ret<echo::F32Buffer_Type>()         // m2_out: fp32 [n], updated fast average
+        .Attrs());  // as above plus ea, eb, b1, c1, b2, c2, inv_p (fp32 coefficients)

@@ -238,7 +238,7 @@ ECHO_HD uint16_t f16_round_up(float v) {
 // fp32 -> bf16, round to nearest, ties to even, bit for bit XLA:CPU's convert (astype(bfloat16)).
 // Finite values too large for bf16 round to infinity, subnormals round on their bits like any
 // other value (nothing is flushed), and every NaN becomes the quiet NaN of its sign with no
-// payload (0x7FC0 / 0xFFC0), as XLA's convert makes it (tests/test_p2p_cpu.py checks all three
+// payload (0x7FC0 / 0xFFC0), as XLA's convert makes it (tests/echo_jax/test_p2p_cpu.py checks all three
 // against XLA).
 ECHO_HD uint16_t f32_to_bf16(float f) {
   const uint32_t x = f32_bits(f);

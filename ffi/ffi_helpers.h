@@ -11,7 +11,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-namespace echo_jax {
+namespace echo {
 
 namespace ffi = ::xla::ffi;
 
@@ -62,13 +62,13 @@ Error_Type Internal(std::string_view where, Args&&... args) {
 // Returns an InvalidArgument error from the enclosing handler when `cond` does not hold.
 #define ECHO_FFI_CHECK(cond, where, ...)                         \
   do {                                                           \
-    if (!(cond)) return ::echo_jax::InvalidArgument(where, __VA_ARGS__); \
+    if (!(cond)) return ::echo::InvalidArgument(where, __VA_ARGS__); \
   } while (0)
 
 // Propagates a failed ffi::Error.
 #define ECHO_FFI_RETURN_IF_ERROR(expr)                  \
   do {                                                  \
-    ::echo_jax::Error_Type echo_ffi_err_ = (expr);      \
+    ::echo::Error_Type echo_ffi_err_ = (expr);      \
     if (echo_ffi_err_.failure()) return echo_ffi_err_;  \
   } while (0)
 
@@ -144,6 +144,6 @@ ffi::ErrorOr<T> GetAttrInRange(const Dictionary_Type& attrs, std::string_view na
   return value;
 }
 
-}  // namespace echo_jax
+}  // namespace echo
 
 #endif  // ECHO_JAX_FFI_FFI_HELPERS_H_

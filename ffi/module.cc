@@ -26,15 +26,17 @@ namespace nb = nanobind;
 #endif
 
 // Handlers defined in ffi/echo_allreduce_cpu.cc.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(EchoAllReduceCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(EchoAllReduceCompensatedCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(echo_allreduce_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(echo_allreduce_comp_cpu);
 
 // (The CUDA handlers live in a second module, echo_jax._ffi_cuda: ffi/module_cuda.cc.)
 
-namespace echo_jax {
+namespace echo {
+namespace cpu {
 void GetCpuRegistryStats(int64_t* workspaces, int64_t* pending_joins, int64_t* cached_bindings);
 void ReleaseCpuWorkspaces();
-}  // namespace echo_jax
+}  // namespace cpu
+}  // namespace echo
 
 namespace {
 
@@ -98,8 +100,8 @@ NB_MODULE(_ffi, m) {
       "registrations",
       []() {
         nb::dict d;
-        d["echo_jax_allreduce"] = EncapsulateFfiHandler(EchoAllReduceCpu);
-        d["echo_jax_allreduce_compensated"] = EncapsulateFfiHandler(EchoAllReduceCompensatedCpu);
+        d["echo_allreduce_cpu"] = EncapsulateFfiHandler(echo_allreduce_cpu);
+        d["echo_allreduce_comp_cpu"] = EncapsulateFfiHandler(echo_allreduce_comp_cpu);
         return d;
       },
       "FFI target name -> handler capsule of the CPU handlers (platform 'cpu').");
@@ -124,7 +126,7 @@ NB_MODULE(_ffi, m) {
       "registry_stats",
       []() {
         int64_t workspaces = 0, joins = 0, bindings = 0;
-        echo_jax::GetCpuRegistryStats(&workspaces, &joins, &bindings);
+        echo::cpu::GetCpuRegistryStats(&workspaces, &joins, &bindings);
         nb::dict d;
         d["workspaces"] = workspaces;
         d["pending_joins"] = joins;
@@ -134,7 +136,7 @@ NB_MODULE(_ffi, m) {
       "Counts of the CPU handler's persistent workspaces, joins in flight and per-device "
       "bindings.");
 
-  m.def("release_workspaces", &echo_jax::ReleaseCpuWorkspaces,
+  m.def("release_workspaces", &echo::cpu::ReleaseCpuWorkspaces,
         "Forget the CPU handler's persistent workspaces. Call only while no Echo computation runs.");
 
   m.def(

@@ -1161,7 +1161,7 @@ using echo::cuda::make_attrs;
 
 // ---- handler bindings -------------------------------------------------------------------------
 
-static ffi::Error EchoAllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x,
+static ffi::Error EchoAllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
                                    ffi::Buffer<ffi::F32> factor, ffi::Result<ffi::AnyBuffer> y,
                                    int64_t bits, int64_t group_size, int64_t policy,
                                    int64_t num_ranks, int64_t timeout_ms,
@@ -1173,7 +1173,7 @@ static ffi::Error EchoAllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x,
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    echo_allreduce_cuda, EchoAllReduceCuda,
+    echo_allreduce_cuda, EchoAllReduceCudaImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream of this device
         .Arg<ffi::AnyBuffer>()                     // x: this rank's contribution, f32/bf16/f16
@@ -1186,7 +1186,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("timeout_ms")               // bound on every wait for a peer
         .Attr<ffi::Span<const int64_t>>("groups"));  // device ordinals, P per group
 
-static ffi::Error EchoAllReduceCompCuda(cudaStream_t stream, ffi::AnyBuffer x,
+static ffi::Error EchoAllReduceCompCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
                                         ffi::Buffer<ffi::F32> m1, ffi::Buffer<ffi::F32> m2,
                                         ffi::Buffer<ffi::F32> factor,
                                         ffi::Result<ffi::AnyBuffer> y,
@@ -1203,7 +1203,7 @@ static ffi::Error EchoAllReduceCompCuda(cudaStream_t stream, ffi::AnyBuffer x,
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    echo_allreduce_comp_cuda, EchoAllReduceCompCuda,
+    echo_allreduce_comp_cuda, EchoAllReduceCompCudaImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream of this device
         .Arg<ffi::AnyBuffer>()                     // x: contribution before compensation
@@ -1227,7 +1227,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("c2")      // 1 - beta2
         .Attr<float>("inv_p"));  // f32(1 / P)
 
-static ffi::Error EchoAllReduceVirtualCuda(cudaStream_t stream, ffi::AnyBuffer x,
+static ffi::Error EchoAllReduceVirtualCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
                                            ffi::Buffer<ffi::F32> factor,
                                            ffi::Result<ffi::AnyBuffer> y, int64_t bits,
                                            int64_t group_size, int64_t policy, int64_t num_ranks,
@@ -1239,7 +1239,7 @@ static ffi::Error EchoAllReduceVirtualCuda(cudaStream_t stream, ffi::AnyBuffer x
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    echo_allreduce_virtual_cuda, EchoAllReduceVirtualCuda,
+    echo_allreduce_virtual_cuda, EchoAllReduceVirtualCudaImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: forks to P rank streams
         .Arg<ffi::AnyBuffer>()                     // x: [P, n], row r is rank r's contribution
@@ -1252,7 +1252,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("timeout_ms")
         .Attr<int64_t>("absent_rank"));  // -1; a rank to leave out (tests of the timeout)
 
-static ffi::Error EchoAllReduceVirtualCompCuda(
+static ffi::Error EchoAllReduceVirtualCompCudaImpl(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> m1,
     ffi::Buffer<ffi::F32> m2, ffi::Buffer<ffi::F32> factor, ffi::Result<ffi::AnyBuffer> y,
     ffi::ResultBuffer<ffi::F32> m1_out,
@@ -1266,7 +1266,7 @@ static ffi::Error EchoAllReduceVirtualCompCuda(
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    echo_allreduce_virtual_comp_cuda, EchoAllReduceVirtualCompCuda,
+    echo_allreduce_virtual_comp_cuda, EchoAllReduceVirtualCompCudaImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: forks to P rank streams
         .Arg<ffi::AnyBuffer>()                     // x: [P, n]

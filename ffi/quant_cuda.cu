@@ -457,7 +457,7 @@ void launch_dequantize(cudaStream_t s, const uint8_t* packed, const uint16_t* pa
 }  // namespace cuda
 }  // namespace echo
 
-static ffi::Error EchoQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x,
+static ffi::Error EchoQuantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
                                    ffi::Result<ffi::Buffer<ffi::U8>> packed,
                                    ffi::Result<ffi::Buffer<ffi::U16>> params, int64_t bits,
                                    int64_t group_size, int64_t policy) {
@@ -490,7 +490,7 @@ static ffi::Error EchoQuantizeCuda(cudaStream_t stream, ffi::AnyBuffer x,
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    echo_quantize_cuda, EchoQuantizeCuda,
+    echo_quantize_cuda, EchoQuantizeCudaImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
         .Arg<ffi::AnyBuffer>()                     // x: [G * g] values (f32/bf16/f16)
@@ -500,7 +500,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("group_size")               // g
         .Attr<int64_t>("policy"));                 // 0 asym, 1 sym, 2 asym_naive
 
-static ffi::Error EchoDequantizeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> packed,
+static ffi::Error EchoDequantizeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed,
                                      ffi::Buffer<ffi::U16> params,
                                      ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bits,
                                      int64_t group_size, int64_t policy) {
@@ -517,7 +517,7 @@ static ffi::Error EchoDequantizeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> p
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    echo_dequantize_cuda, EchoDequantizeCuda,
+    echo_dequantize_cuda, EchoDequantizeCudaImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
         .Arg<ffi::Buffer<ffi::U8>>()               // packed codes [G, g*bits/8]

@@ -226,7 +226,7 @@ def test_hlo_of_the_custom_call_has_no_collective_of_x():
                                                     rescale=rescale),
                                   mesh=mesh, in_specs=P("tp"), out_specs=P()))
         hlo = f.lower(put(jnp.ones((4, 4096)), mesh, P("tp"))).compile().as_text()
-        assert "custom-call" in hlo and "echo_jax_allreduce" in hlo
+        assert "custom-call" in hlo and "echo_allreduce_cpu" in hlo
         for op in ("all-to-all(", "all-gather("):
             assert op not in hlo
         # The default's rescaling factor: one scalar pmax, never a collective of x.

@@ -43,7 +43,7 @@ debug_failing_     test hook (`debug_failing_rank()`): rank (-1 normally), stage
 rank, _stage,      1 = push, 2 = after the tail) and cause ("" normally) of a rank that fails
 debug_failure      on purpose
 ea, eb, b1, c1,    fp32 coefficients of `compensator.Coefficients` and f32(1/P)
-b2, c2, inv_ranks  (compensated call only)
+b2, c2, inv_p  (compensated call only)
 =================  =========================================================================
 
 Operands: x [n] in float32, bfloat16 or float16, (m1, m2 fp32 [n] for the compensated call,
@@ -85,8 +85,8 @@ else:
 #: The value of `EchoConfig.transport` that selects the custom calls.
 NAME = "p2p"
 
-TARGET = "echo_jax_allreduce"
-TARGET_COMPENSATED = "echo_jax_allreduce_compensated"
+TARGET = "echo_allreduce_cpu"
+TARGET_COMPENSATED = "echo_allreduce_comp_cpu"
 
 MAX_RANKS = 256
 #: dtypes of the contribution x (and of the sum y): the call reads and writes them itself.
@@ -305,7 +305,7 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     coords = _coords(axis)
     y, m1, m2 = call(x_flat32, m1_flat, m2_flat, coords, factor_operand(factor, coords), **attrs,
                      ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2),
-                     c2=f32(k.c2), inv_ranks=f32(1.0 / int(num_ranks)))
+                     c2=f32(k.c2), inv_p=f32(1.0 / int(num_ranks)))
     # ffi_call results are typed invariant; type them as the xla transport's are.
     varying = frozenset().union(*(_compat.varying_axes(o) for o in (x_flat32, m1_flat, m2_flat)))
     return (_compat.to_varying(y, varying - {axis}), _compat.to_varying(m1, varying),
