@@ -71,7 +71,7 @@ depends on such context, so the model pins down the few places where that change
     simplifier rewrites `x / broadcast(s)` into in some programs and not in others;
   * the exact all-reduce of bf16/fp16 values sums in fp32 in the simulation, as XLA:CPU's
     all-reduce does (it promotes them to fp32 and rounds once).
-`tests/test_model.py::test_simulation_matches_shard_map` checks the logits, the loss and every
+`tests/models/test_model.py::test_simulation_matches_shard_map` checks the logits, the loss and every
 gradient bit for bit (exact and Echo 4-bit, P = 2 and 4; fp32, and bf16 with remat), and the
 KV-cache test the decoded logits. Not covered: the optimizer step of `make_train_step` (optax's
 bias correction divides by a per-rank scalar, which XLA rewrites differently in the two programs).

@@ -178,8 +178,8 @@ def _p2p_transient_ulp():
     _replace_everywhere(original, p2p_allreduce)
 
 
-C = "tests/test_collective.py::"
-Q = "tests/test_quant.py::"
+C = "tests/echo_jax/test_collective.py::"
+Q = "tests/echo_jax/test_quant.py::"
 MUTANTS = {
     # (what it breaks, apply, killers: every one must fail)
     "doubled_scale": (
@@ -189,8 +189,8 @@ MUTANTS = {
          C + "test_identical_ranks_and_bounded_error[asym-4-2]",
          C + "test_typed_shard_map_result_is_invariant_like_psum[xla]",
          C + "test_dtypes_and_odd_shapes[3-shape3-float32]",
-         "tests/test_rotation.py::test_identical_ranks_and_transports[2-4-1000-float32]",
-         "tests/test_tp.py::test_echo_gradients_within_tolerance[4-0.2-xla]"]),
+         "tests/echo_jax/test_rotation.py::test_identical_ranks_and_transports[2-4-1000-float32]",
+         "tests/echo_jax/test_tp.py::test_echo_gradients_within_tolerance[4-0.2-xla]"]),
     "naive_zero_point": (
         "the zero-aware policy keeps the naive zero-point in straddling groups",
         _naive_zero_point,
@@ -204,9 +204,9 @@ MUTANTS = {
     "wrong_beta": (
         "the state update decays m1 with beta2 instead of beta1",
         _wrong_beta,
-        ["tests/test_compensator.py::test_state_update_is_eq_11_exactly[4]",
-         "tests/test_compensator.py::test_residuals_sum_to_minus_delta",
-         "tests/test_rotation.py::test_compensator_state_semantics_in_the_original_basis",
+        ["tests/echo_jax/test_compensator.py::test_state_update_is_eq_11_exactly[4]",
+         "tests/echo_jax/test_compensator.py::test_residuals_sum_to_minus_delta",
+         "tests/echo_jax/test_rotation.py::test_compensator_state_semantics_in_the_original_basis",
          C + "test_pytrees"]),
     "straight_through_3t": (
         "the straight-through rule returns 3 t instead of psum(t)",
@@ -221,7 +221,7 @@ MUTANTS = {
     "swapped_backward_choice": (
         "the backward (f) sites of a per-layer policy run the other layer's config",
         _swapped_backward_choice,
-        ["tests/test_tp.py::test_per_layer_bits_choice"]),
+        ["tests/echo_jax/test_tp.py::test_per_layer_bits_choice"]),
     "pytree_later_leaves_uncompensated": (
         "only the first leaf of a pytree is compensated; the others keep their state",
         _pytree_later_leaves_uncompensated,
@@ -229,23 +229,23 @@ MUTANTS = {
     "demo_delta_uncorrected": (
         "the demo measures delta_k against the uncorrected contributions",
         _demo_delta_uncorrected,
-        ["tests/test_demo.py::test_rows_match_an_independent_replay"]),
+        ["tests/echo_jax/test_demo.py::test_rows_match_an_independent_replay"]),
     "experiments_delta_uncorrected": (
         "the error-process study measures delta_k against the uncorrected contributions",
         _experiments_delta_uncorrected,
-        ["tests/test_experiments.py::test_instrumented_sites_match_a_numpy_replay"]),
+        ["tests/models/test_experiments.py::test_instrumented_sites_match_a_numpy_replay"]),
     "cli_rotation_not_applied": (
         "--rotation is recorded in the config but the sites run unrotated",
         _cli_rotation_not_applied,
-        ["tests/test_cli.py::test_rotation_flag_changes_the_sites"]),
+        ["tests/models/test_cli.py::test_rotation_flag_changes_the_sites"]),
     "bench_identity_vacuous": (
         "the benchmark's bit-identity check compares every rank with itself",
         _bench_identity_vacuous,
-        ["tests/test_bench.py::test_compare_against_numpy"]),
+        ["tests/echo_jax/test_bench.py::test_compare_against_numpy"]),
     "p2p_transient_ulp": (
         "the custom call is 1 ulp off at a few calls in the middle of a long loop",
         _p2p_transient_ulp,
-        ["tests/test_p2p_cpu.py::test_repeated_calls_stay_correct"]),
+        ["tests/echo_jax/test_p2p_cpu.py::test_repeated_calls_stay_correct"]),
 }
 
 

@@ -8,7 +8,7 @@ a test that passes on a broken implementation would be reported here. Without th
 same tests pass (they are part of the suite).
 
 Run one by hand:  ECHO_JAX_MUTANT=doubled_scale PYTHONPATH=tests \\
-    python -m pytest -p mutants tests/test_quant.py
+    python -m pytest -p mutants tests/echo_jax/test_quant.py
 """
 
 import concurrent.futures

@@ -2,7 +2,7 @@
 
 Tiny sizes and iteration counts: they check the pipeline (rows, JSON fields, correctness columns,
 plot, size gate), not the speed. The end-to-end benchmark is `models.bench_e2e`
-(tests/test_bench_e2e.py); `bench e2e` only points there.
+(tests/models/test_bench_e2e.py); `bench e2e` only points there.
 """
 
 import json

@@ -12,7 +12,7 @@ import pytest
 from echo_jax import bench
 from echo_jax import projection as pj
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KERNELS = os.path.join(ROOT, pj.DEFAULT_KERNELS_JSON)
 ALLREDUCE = os.path.join(ROOT, pj.DEFAULT_ALLREDUCE_JSON)
 GiB, MiB = 1 << 30, 1 << 20

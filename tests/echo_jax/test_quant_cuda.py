@@ -144,7 +144,7 @@ def zero_sign_ambiguous(x32):
     """Finite groups [G, g] whose minimum or maximum is a zero and that hold zeros of both signs.
 
     XLA's min / max reductions give a shape-dependent sign of zero there (seen on XLA:CPU; see
-    tests/test_p2p_cpu.py), while the kernels and the C++ quantizer always take -0 < +0. For these
+    tests/echo_jax/test_p2p_cpu.py), while the kernels and the C++ quantizer always take -0 < +0. For these
     groups the JAX comparison is of values (-0 == +0, NaN == NaN) and of the codes' bits; the C++
     comparison stays bit for bit."""
     finite = np.isfinite(x32).all(-1)

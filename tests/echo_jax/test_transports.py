@@ -27,7 +27,7 @@ from conftest import make_mesh, put
 from echo_jax import collective, compensator, p2p, policies, transports
 from echo_jax.transports import cpu, cuda, xla
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def in_shard_map(fn, num_ranks=2):

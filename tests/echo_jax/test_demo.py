@@ -26,7 +26,7 @@ from echo_jax.config import EchoConfig
 RANKS = 4
 SITES = 12
 TINY = dict(ranks=RANKS, sites=SITES, tokens=8, dim=64, hidden=128, seed=0, progress=False)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _need_devices(n=RANKS):
