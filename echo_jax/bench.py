@@ -20,12 +20,12 @@ a collective). Every row is checked against the psum row beside its time.
 
 Timing (allreduce, gate, kernels, virtual): each measured op runs inside one jitted
 `lax.fori_loop`, chained through an optimization barrier that carries the op's whole output, so
-XLA can neither hoist it out of the loop nor drop part of it. The loop's trip count is an argument
-of the one compiled program: a first loop of `--warmup` iterations (it also compiles), then
-`--repeats` loops of `--iters` iterations, each timed by the host clock around the loop and
-`block_until_ready`. The per-call time of a loop is its time divided by its iterations, and the
-reported time is the median over the loops. Dispatch is thus amortised over the loop; the numbers
-are device time plus the loop's own (negligible) bookkeeping.
+XLA can neither hoist it out of the loop nor drop part of it. The loop's trip count is static (one
+program for `--warmup`, one for `--iters`): a first loop of `--warmup` iterations (it also
+compiles), then `--repeats` loops of `--iters` iterations, each timed by the host clock around the
+loop and `block_until_ready`. The per-call time of a loop is its time divided by its iterations,
+and the reported time is the median over the loops. Dispatch is thus amortised over the loop and
+the host does not wait between calls.
 
 The end-to-end benchmark of a `models` preset (time to first token and training step per
 all-reduce mode) is `python -m models.bench_e2e`: the library does not import the models.
