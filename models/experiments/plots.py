@@ -10,6 +10,21 @@ import numpy as np
 from models.experiments.helpers import BEYOND_BUDGET, BEYOND_TARGET_PCT, pyplot
 
 
+def save_figure(plt, fig, out: Path, dpi: int) -> None:
+    """Lay out `fig`, write it to `out` (creating its folder) and close it.
+
+    Args:
+      plt: matplotlib.pyplot (`helpers.pyplot()`).
+      fig: the figure.
+      out: the PNG path.
+      dpi: resolution.
+    """
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+
+
 def plot_inference(record: dict, out: Path) -> None:
     """Bar chart of the perplexity increase over 16-bit and of the greedy agreement."""
     plt = pyplot()
@@ -36,10 +51,7 @@ def plot_inference(record: dict, out: Path) -> None:
     ref = next((r["perplexity"] for r in record["rows"] if r["bits"] == 16), float("nan"))
     fig.suptitle(f"{m['model']['name']} at P={m['tp']} ({m['forward_sites']} forward sites), "
                  f"{m['tokens_scored']} tokens; 16-bit perplexity {ref:.3f}", fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, out, dpi=120)
 
 
 def plot_ablations(record: dict, out: Path) -> None:
@@ -73,10 +85,7 @@ def plot_ablations(record: dict, out: Path) -> None:
     m = record["meta"]
     fig.suptitle(f"Ablations, {m['model']['name']} at P={m['tp']}, {m['tokens_scored']} tokens",
                  fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, out, dpi=120)
 
 
 def plot_error_process(record: dict, out: Path) -> None:
@@ -124,10 +133,7 @@ def plot_error_process(record: dict, out: Path) -> None:
     m = record["meta"]
     fig.suptitle(f"Error process of one forward pass: {m['model']['name']}, P={m['tp']}, "
                  f"{m['tokens_scored']} tokens (per-token L2 norms)", fontsize=11)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, out, dpi=110)
 
 
 def plot_beyond(record: dict, out: Path) -> None:
@@ -175,7 +181,4 @@ def plot_beyond(record: dict, out: Path) -> None:
     ref = next((r["perplexity"] for r in record["rows"] if r["key"] == "16bit"), float("nan"))
     ax.set_title(f"{m['model']['name']} at P={m['tp']}, {m['tokens_scored']} held-out tokens; "
                  f"16-bit perplexity {ref:.3f}", fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, out, dpi=120)
