@@ -132,7 +132,9 @@ ECHO_HD float max_nan(float a, float b) {
 struct Range {
   float lo, hi;
 };
-ECHO_HD Range range_empty() { return Range{f32_from_bits(0x7F800000u), f32_from_bits(0xFF800000u)}; }
+ECHO_HD Range range_empty() {  // (+inf, -inf): any value narrows it
+  return Range{f32_from_bits(0x7F800000u), f32_from_bits(0xFF800000u)};
+}
 ECHO_HD void range_add(Range& r, float v) {
   r.lo = min_nan(r.lo, v);
   r.hi = max_nan(r.hi, v);
@@ -228,8 +230,9 @@ ECHO_HD DequantParams dequant_params_fast(uint32_t wire) {
 // ---- layout of the fast quantize kernel ------------------------------------------------------
 // A group of G values of type T is read by kLanes lanes of one warp, each with kLoads 16-byte
 // loads of kVec values; load k of lane j holds values k * kLanes * kVec + j * kVec + [0, kVec), so
-// each load instruction of a group's lanes reads kLanes * 16 contiguous bytes. By default two
-// loads or four a lane (see default_lanes), more once a group has 32 lanes.
+// each load instruction of a group's lanes reads kLanes * 16 contiguous bytes. Two loads a lane
+// (the all-reduce's stages) or four (the standalone quantizer: default_lanes), more once a group
+// has 32 lanes.
 // Lanes a group for LOADS 16-byte loads a lane (1 .. 32 lanes).
 template <typename T, int G, int LOADS>
 constexpr int lanes_for_loads() {

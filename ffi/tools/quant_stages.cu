@@ -228,7 +228,8 @@ void variant(const char* dtype, Buffers& b, int threads, int waves, double bytes
   const std::string name = std::string("quantize ") + (KEYS ? "keys" : "minmax") + " L" +
                            std::to_string(LANES) + " loads" + std::to_string(L::kLoads) +
                            (PREFETCH ? " prefetch" : "") + " t" + std::to_string(threads) +
-                           (waves == 0 ? std::string(" full-grid") : " waves" + std::to_string(waves));
+                           (waves == 0 ? std::string(" full-grid")
+                                       : " waves" + std::to_string(waves));
   report(name, dtype, BITS, bytes, us, same_as_ref(b) ? "true" : "false", registers<kernel>());
 }
 
@@ -259,7 +260,8 @@ void quantize_suite(const char* dtype, int64_t n, const float* x32) {
 
   // Every policy: production (the custom call's launcher) against the generic kernel.
   for (int policy : {kPolicySym, kPolicyAsymNaive, kPolicyAsym}) {
-    const char* pname = policy == kPolicySym ? "sym" : policy == kPolicyAsym ? "asym" : "asym_naive";
+    const char* pname =
+        policy == kPolicySym ? "sym" : policy == kPolicyAsym ? "asym" : "asym_naive";
     CK(cudaMemset(b.ref_params, 0xAB, b.params_bytes));  // sym writes half of the buffer
     report(std::string("quantize generic ") + pname, dtype, BITS, bytes, time_us([&] {
              generic_quantize<T>(b.x, groups, G, BITS, policy, b.ref_packed, b.ref_params);
@@ -295,7 +297,8 @@ void quantize_suite(const char* dtype, int64_t n, const float* x32) {
     // Dequantize of the asym reference into an fp32 buffer (the copy of its output is g_copy).
     float* y = nullptr;
     CK(cudaMalloc(&y, n * sizeof(float)));
-    report("dequantize production", "float32", BITS, double(b.packed_bytes) + b.params_bytes + 4.0 * n,
+    report("dequantize production", "float32", BITS,
+           double(b.packed_bytes) + b.params_bytes + 4.0 * n,
            time_us([&] {
              launch_dequantize(0, b.ref_packed, b.ref_params, groups, G, BITS, kPolicyAsym, y);
            }));
