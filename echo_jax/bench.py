@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -56,8 +57,8 @@ from echo_jax._cli import (SIZE_ALIASES, format_size, parse_size,  # noqa: F401 
                            parse_sizes, positive_int, request_host_devices, write_json)
 
 #: Rows of `bench allreduce`, in the order they are run and printed.
-ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-rescale", "p2p4-comp-unfused",
-        "p2p4-comp-fused")
+ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-rot", "p2p4-rescale", "p2p4-comp-unfused",
+        "p2p4-comp-fused", "p2p4-comp-fused-rot")
 
 ROW_LABELS = {
     "psum": "lax.psum (16-bit baseline)",
@@ -68,6 +69,8 @@ ROW_LABELS = {
     "p2p4-rescale": "4-bit, rescale='auto' (echo_psum's default: max |x| + scalar pmax)",
     "p2p4-comp-unfused": "4-bit + compensator as separate ops",
     "p2p4-comp-fused": "4-bit + compensator fused",
+    "p2p4-rot": "4-bit, Hadamard rotation (rotation='hadamard')",
+    "p2p4-comp-fused-rot": "4-bit + compensator fused, Hadamard rotation",
 }
 
 #: Rows whose threshold the gate reports by default, best first.
@@ -150,6 +153,10 @@ def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None,
     def run(v, n):
         # The first call starts the carry, so the carry has the output's shardings.
         carry = lax.optimization_barrier((v[0] if carry_state else v, fn(v)))
+        # Not unrolled: with lax.fori_loop(..., unroll=8) XLA ran the op about once per body on
+        # the H200 (a 256 MiB p2p4 call "took" 18 us), so each call keeps its own iteration;
+        # the loop counter's kernels add a few us a call (256 MiB quantize: 86.7 us in this
+        # loop, 81.4 us when the host dispatches the calls back to back).
         return jax.tree.leaves(lax.fori_loop(1, n, body, carry)[1])[0]
 
     # A static trip count: with a traced one every iteration cost extra time between calls (one
@@ -212,7 +219,8 @@ def _configs():
             "xla4": ej.EchoConfig(bits=4, transport="xla"),
             "p2p8": ej.EchoConfig(bits=8, transport="p2p"),
             "p2p4": ej.EchoConfig(bits=4, transport="p2p"),
-            "comp": ej.EchoConfig(bits=4, transport="p2p")}
+            "comp": ej.EchoConfig(bits=4, transport="p2p"),
+            "p2p4-rot": ej.EchoConfig(bits=4, transport="p2p", rotation="hadamard")}
 
 
 def _mesh_rows(mesh, ranks: int):
@@ -246,18 +254,20 @@ def _mesh_rows(mesh, ranks: int):
         new = comp.update_state(xp, y32, ranks, state, k)
         return y32.astype(x.dtype)[None], new.m1[None], new.m2[None]
 
-    def fused(x, m1, m2):
-        y, new = ej.echo_psum(x[0], "tp", config=cfgs["comp"],
+    def fused(x, m1, m2, cfg=cfgs["comp"]):
+        y, new = ej.echo_psum(x[0], "tp", config=cfg,
                               state=comp.CompensatorState(m1[0], m2[0]), rescale=False)
         return y[None], new.m1[None], new.m2[None]
 
     rows = {"psum": (wrap(lambda x: lax.psum(x[0], "tp")[None], 1, 1), False)}
-    for name in ("xla8", "xla4", "p2p8", "p2p4"):
+    for name in ("xla8", "xla4", "p2p8", "p2p4", "p2p4-rot"):
         rows[name] = (plain(cfgs[name]), False)
     rows["p2p4-rescale"] = (plain(cfgs["p2p4"], "auto"), False)
     f_unfused, f_fused = wrap(unfused, 3, 3), wrap(fused, 3, 3)
+    f_fused_rot = wrap(functools.partial(fused, cfg=cfgs["p2p4-rot"]), 3, 3)
     rows["p2p4-comp-unfused"] = (lambda v: f_unfused(*v), True)
     rows["p2p4-comp-fused"] = (lambda v: f_fused(*v), True)
+    rows["p2p4-comp-fused-rot"] = (lambda v: f_fused_rot(*v), True)
     return rows
 
 
@@ -278,16 +288,16 @@ def _virtual_rows(ranks: int):
         new = comp.update_state(xp, y32, ranks, state, k)
         return y32.astype(x.dtype), new.m1, new.m2
 
-    def fused(v):
+    def fused(v, cfg=wire["comp"]):
         x, m1, m2 = v
-        y, new = p2p_cuda.virtual_allreduce(x, wire["comp"], comp.CompensatorState(m1, m2))
+        y, new = p2p_cuda.virtual_allreduce(x, cfg, comp.CompensatorState(m1, m2))
         return y, new.m1, new.m2
 
     rows = {"psum": (vmapped(lambda r: lax.psum(r, "tp")), False)}
     for name in ("xla8", "xla4"):
         rows[name] = (vmapped(lambda r, c=cfgs[name]: ej.echo_psum(r, "tp", config=c,
                                                                    rescale=False)), False)
-    for name in ("p2p8", "p2p4"):
+    for name in ("p2p8", "p2p4", "p2p4-rot"):
         rows[name] = (jax.jit(lambda v, c=wire[name]: p2p_cuda.virtual_allreduce(v, c)), False)
 
     def rescaled(v):
@@ -298,6 +308,7 @@ def _virtual_rows(ranks: int):
     rows["p2p4-rescale"] = (jax.jit(rescaled), False)
     rows["p2p4-comp-unfused"] = (jax.jit(unfused), True)
     rows["p2p4-comp-fused"] = (jax.jit(fused), True)
+    rows["p2p4-comp-fused-rot"] = (jax.jit(functools.partial(fused, cfg=wire["p2p4-rot"])), True)
     return rows
 
 

@@ -5,8 +5,9 @@ Protocol (the same for every transport, so they produce the same bits):
 1. Flatten x to fp32 (after the compensator's apply step, Eq. 10) and pad it with zeros to
    P segments of Gs whole groups each; segment j is owned by rank j. A bfloat16 / float16 x is
    widened exactly, and the fp32 sum is rounded back to x's dtype (to nearest even) at the end.
-   Where the "p2p" custom call runs and nothing else has to happen in fp32 around it (no
-   rescaling, no rotation; uncompensated, or compensated in the fused call), the 16-bit x goes
+   Where the "p2p" custom call runs and nothing else has to happen in fp32 around it
+   (uncompensated, or compensated in the fused call; rescaled or not, the factor being an operand
+   of the call; no rotation, or the rotation fused into the call), the 16-bit x goes
    into the call as it is and the sum comes out in x's dtype: the call widens and rounds itself,
    with the same bits, and no fp32 copy of x is made in XLA. The compensator state is updated
    with the fp32 sum, before its rounding; it is stored in `EchoConfig.state_dtype` (fp32 by
@@ -22,20 +23,27 @@ Protocol (the same for every transport, so they produce the same bits):
 
 Rotation (`EchoConfig.rotation="hadamard"`): the compensated fp32 input is padded with zeros to
 whole groups and every group is rotated by a fixed randomized Hadamard matrix (`echo_jax.rotation`)
-before step 1, and the sum is rotated back after step 4, so one outlier channel no longer sets its
-group's scale. The rotation is plain JAX around the unchanged transports (the custom call included,
-so "xla" and "p2p" still give the same bits); the compensator's apply and update steps then run in
-JAX around the call, not fused into it, and stay in the original basis. Gradients are psum's.
+before step 1, and the sum is rotated back and cut to x's length after step 4, so one outlier
+channel no longer sets its group's scale. The compensator's apply and update steps stay in the
+original basis. Where the rotation runs is decided in one place, `fused_rotation`: inside the call
+where the chosen transport rotates by itself (`transports.has_fused_rotation`: the CPU custom call)
+and the call is not rescaled; x then enters the call as on the unrotated direct and fused paths,
+and a compensated call stays fused (apply, rotate, protocol, unrotate, update, all in the call).
+Otherwise (the "xla" transport, a transport without a fused rotation, or a rescaled call, whose
+factor has to come from the rotated values) it is plain JAX around the transport, which then gets
+the config with rotation="none" (`_rotated_allreduce_f32`, `transports.xla.rotated_allreduce`),
+and the compensator's steps run in JAX around it. Both give the same bits ("xla" == "p2p").
+Gradients are psum's on every path (straight-through).
 
 Transports (`echo_jax.transports`): `transports.select` is the one choice of the transport a
 call runs ("xla", or the "p2p" custom call of the platform, CPU or CUDA).
 
 Fused or unfused compensation (decided in one place, `fused_compensation`): a transport with a
 fused call (`allreduce_compensated`: the custom calls) fuses the apply and update steps only for
-an fp32 state and no rotation (the rescaling factor is an operand of the fused call). Otherwise
-(a bfloat16 state, rotation, or the "xla" transport) the apply step, the uncompensated transport
-and the update run one after the other in JAX, so "xla" and "p2p" give the same bits for a
-bfloat16 state too.
+an fp32 state, and with the rotation only where the rotation is fused into the call too (the
+rescaling factor is an operand of the fused call). Otherwise (a bfloat16 state, a rotation in
+JAX, or the "xla" transport) the apply step, the uncompensated transport and the update run one
+after the other in JAX, so "xla" and "p2p" give the same bits for a bfloat16 state too.
 
 Size gate: a contribution of fewer than `EchoConfig.min_bytes` bytes per rank (each array of a
 pytree decided on its own, statically from its shape and dtype) is summed by `lax.psum` instead,
@@ -57,13 +65,12 @@ from jax import lax
 
 from echo_jax import _compat
 from echo_jax import compensator as comp
-from echo_jax import rotation as rot
 from echo_jax import transports
 from echo_jax.config import EchoConfig
 # Re-exported: their homes are the transports (the wire layout, the kill switch, the reference).
 from echo_jax.transports import FORCE_XLA_ENV
 from echo_jax.transports.base import segment_layout
-from echo_jax.transports.xla import xla_allreduce, xla_allreduce_scaled
+from echo_jax.transports.xla import rotated_allreduce, xla_allreduce, xla_allreduce_scaled
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -98,6 +105,7 @@ def _allreduce_f32(x_flat32, factor, axis, num_ranks, config):
     # x: flat fp32, or bfloat16 / float16 for the custom call (fp32 arithmetic inside either
     # way); the sum comes back in x's dtype. factor: None, or the f32 power of two of the
     # rescaling (applied inside the custom call, around xla_allreduce on the xla transport).
+    # config.rotation="hadamard" only where the transport rotates by itself (`fused_rotation`).
     transport = transports.select(config, axis, x_flat32.shape[0])
     return transport.allreduce(x_flat32, axis, num_ranks, config, factor=factor)
 
@@ -179,19 +187,50 @@ def power_of_two_scale(x32, axis):
     return rescale_factor(x32, axis, True)
 
 
-def fused_compensation(config: EchoConfig, rescale=False) -> bool:
+def fused_rotation(config: EchoConfig, transport=None, rescale=False) -> bool:
+    """Whether the rotation of a call with this config runs inside the transport's call.
+
+    The one place that decides it (`_echo_leaf` asks only here): config.rotation is "hadamard",
+    the call is not rescaled (`rescale is False`: the rescaling factor has to be taken from the
+    rotated values, so a rescaled rotated call keeps the rotation in JAX), and the transport
+    rotates by itself (`transports.has_fused_rotation`: the CPU custom call). Otherwise the
+    rotation runs in plain JAX around the transport, which gets rotation="none"; the bits are
+    the same.
+
+    Args:
+      config: the call's EchoConfig.
+      transport: the transport module the call runs (`transports.select`); None: not known,
+        so not fused.
+      rescale: echo_psum's rescale (False, True or "auto").
+    """
+    rescale = check_rescale(rescale, "fused_rotation")
+    return (config.rotation == "hadamard" and rescale is False and transport is not None
+            and transports.has_fused_rotation(transport, config))
+
+
+def fused_compensation(config: EchoConfig, rescale=False, transport=None) -> bool:
     """Whether a compensated call with this config may fuse apply + update into the custom call.
 
     The one place that decides it (`_echo_leaf` asks only here): the fused calls (the CPU
     handler and the CUDA kernels) take an fp32 state only, and nothing may run in fp32 around
-    them (no rotation: the rotated call would see rotated values). The rescaling factor is an
+    them: with rotation="hadamard" only where the rotation is fused into the call too
+    (`fused_rotation(config, transport, rescale)`; a rotation in JAX around the call would hand
+    it rotated values, while the state lives in the original basis). The rescaling factor is an
     operand of the fused call (applied after the apply step, undone before the update, as
-    Sec. 5.4 orders them), so `rescale` does not unfuse it. A bfloat16 state runs unfused on
-    every transport: apply in JAX, the uncompensated transport, update in JAX. Whether a
-    transport with a fused call runs at all is `transports.select`'s choice.
+    Sec. 5.4 orders them), so `rescale` does not unfuse an unrotated call. A bfloat16 state
+    runs unfused on every transport: apply in JAX, the uncompensated transport, update in JAX.
+    Whether a transport with a fused call runs at all is `transports.select`'s choice.
+
+    Args:
+      config: the call's EchoConfig.
+      rescale: echo_psum's rescale (False, True or "auto").
+      transport: the transport module the call runs; needed only with the rotation (None:
+        not known, so a rotated call is not fused).
     """
     check_rescale(rescale, "fused_compensation")
-    return config.state_dtype == "float32" and config.rotation == "none"
+    if config.state_dtype != "float32":
+        return False
+    return config.rotation == "none" or fused_rotation(config, transport, rescale)
 
 
 def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
@@ -215,34 +254,40 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
         state = jax.tree.map(lax.stop_gradient, state)
         state = comp.to_varying_state(state, axis)
         m = comp.CompensatorState(jnp.ravel(state.m1), jnp.ravel(state.m2))
-    # With the rotation the compensator runs in JAX around the (unfused) transport, so that
-    # its state stays in the original basis; the fused custom call would see rotated values.
-    rotated = config.rotation == "hadamard"
-    # The rescaling factor comes from x itself (before the apply step), on every path, so that
-    # the fused call needs no fp32 copy of x' in XLA: x' differs from x by the small correction,
-    # far inside the headroom the factor leaves (max |x| * factor < 512, fp16 holds 65504 * Q).
-    factor = None if (rescale is False or rotated) else rescale_factor(flat, axis, rescale)
-    # A transport with a fused call is a custom call: nothing around it needs fp32 (`direct`).
-    transport = None if rotated else transports.select(config, axis, flat.shape[0])
-    direct = transport is not None and transports.has_fused_compensation(transport)
+    transport = transports.select(config, axis, flat.shape[0])
+    # The rotation runs inside the call where the transport rotates by itself and the call is
+    # not rescaled (`fused_rotation`); else in JAX around the transport (`_rotated_allreduce_f32`,
+    # the compensator around it in JAX, so that its state stays in the original basis).
+    jax_rotation = config.rotation == "hadamard" and not fused_rotation(config, transport,
+                                                                        rescale)
+    # The rescaling factor comes from x itself (before the apply step), on every path but the
+    # JAX rotation's (from the rotated values there), so that the fused call needs no fp32 copy
+    # of x' in XLA: x' differs from x by the small correction, far inside the headroom the
+    # factor leaves (max |x| * factor < 512, fp16 holds 65504 * Q).
+    factor = None if (rescale is False or jax_rotation) else rescale_factor(flat, axis, rescale)
+    # A transport with a fused call is a custom call: nothing around it needs fp32 (`direct`),
+    # a fused rotation included.
+    direct = not jax_rotation and transports.has_fused_compensation(transport)
     if direct and state is None:
         # Nothing runs in fp32 around the custom call: x enters it in its own dtype (the call
         # widens a 16-bit x exactly, and multiplies by the factor) and the sum leaves it in x's
         # dtype, divided by the factor and rounded from fp32 as y32.astype(dtype) rounds it.
         return _allreduce_f32(flat, factor, axis, num_ranks, config).reshape(shape), None
-    if direct and fused_compensation(config, rescale):
+    if direct and fused_compensation(config, rescale, transport):
         # Fused compensation (Sec. 5.3): the apply step runs in the call's entry pass and the
-        # state update inside the call, with the fp32 sum; m1/m2 are updated in place.
+        # state update inside the call, with the fp32 sum (unrotated first where the call
+        # rotates); m1/m2 are updated in place.
         y, m1, m2 = _fused_allreduce_f32(flat, m.m1, m.m2, factor, axis, num_ranks, config)
         return y.reshape(shape), comp.CompensatorState(m1.reshape(shape), m2.reshape(shape))
-    # Unfused (the xla transport; or a custom call with a bfloat16 state or rotation): apply, the
-    # uncompensated transport (rescaled inside), update, in JAX.
+    # Unfused (the xla transport; or a custom call with a bfloat16 state or a rotation in JAX):
+    # apply, the uncompensated transport (rescaled and, with a fused rotation, rotated inside),
+    # update, in JAX.
     x32 = flat.astype(jnp.float32)
     k = comp.Coefficients.from_config(config)
     if state is not None:
         x32 = comp.apply_correction(x32, m, k)
-    if rotated:
-        # Unfused around the (unchanged) transport: rotate, reduce, rotate back.
+    if jax_rotation:
+        # In JAX around the unrotated transport: rotate, reduce, rotate back.
         y32 = _rotated_allreduce_f32(x32, axis, num_ranks, config, rescale)
     else:
         y32 = _allreduce_f32(x32, factor, axis, num_ranks, config)
@@ -258,22 +303,25 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
 def _rotated_allreduce_f32(x_flat32, axis, num_ranks, config, rescale):
-    """The quantized all-reduce in the rotated basis, returned in the original basis.
+    """The quantized all-reduce in the rotated basis, returned in the original basis: the
+    rotation in plain JAX around the transport (where `fused_rotation` is False).
 
     x is padded with zeros to whole groups, so that every Hadamard block is exactly one
-    quantization group of the wire layout, and rotated. With `rescale` the shared power of two
-    is taken from the rotated values (those the quantizer sees) and divided out again before
-    the inverse rotation; powers of two commute with the rotation, so only the fp16 range
-    changes. The sum comes from the configured transport (`_allreduce_f32`, custom call
-    included), is rotated back and cut to x's length.
+    quantization group of the wire layout, and rotated (`transports.xla.rotated_allreduce`, the
+    one JAX definition, also the reference of the custom calls' fused rotation). With `rescale`
+    the shared power of two is taken from the rotated values (those the quantizer sees) and
+    divided out again before the inverse rotation; powers of two commute with the rotation, so
+    only the fp16 range changes. The sum comes from the configured transport (`_allreduce_f32`,
+    custom call included, with rotation="none" so that it does not rotate again), is rotated
+    back and cut to x's length.
     """
-    g = config.group_size
-    n = x_flat32.shape[0]
-    padded = -(-max(n, 1) // g) * g
-    xr = rot.hadamard_rotate(jnp.pad(x_flat32, (0, padded - n)), g)
-    factor = None if rescale is False else rescale_factor(xr, axis, rescale)
-    yr = _allreduce_f32(xr, factor, axis, num_ranks, config)
-    return rot.hadamard_unrotate(yr, g)[:n]
+
+    def reduce(xr, axis, num_ranks, plain, factor=None):
+        del factor  # rotated_allreduce passes none: it is taken from the rotated values here
+        f = None if rescale is False else rescale_factor(xr, axis, rescale)
+        return _allreduce_f32(xr, f, axis, num_ranks, plain)
+
+    return rotated_allreduce(reduce, x_flat32, axis, num_ranks, config)
 
 
 @_rotated_allreduce_f32.defjvp
@@ -354,5 +402,6 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
 
 
 __all__ = ["echo_psum", "xla_allreduce", "segment_layout", "resolve_transport",
-           "fused_compensation", "power_of_two_scale", "rescale_factor", "check_rescale",
-           "xla_allreduce_scaled", "RESCALE_MODES", "AUTO_RESCALE_BELOW", "FORCE_XLA_ENV"]
+           "fused_compensation", "fused_rotation", "power_of_two_scale", "rescale_factor",
+           "check_rescale", "xla_allreduce_scaled", "RESCALE_MODES", "AUTO_RESCALE_BELOW",
+           "FORCE_XLA_ENV"]

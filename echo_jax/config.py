@@ -47,8 +47,11 @@ class EchoConfig:
         of each group of g values before quantizing, undone after the sum. It spreads an
         outlier channel over its whole group, so the group's scale no longer follows the
         outlier. The wire format and cost are unchanged; needs a power-of-two group_size.
-        With a compensator state the apply and update steps run in JAX around the custom call
-        (not fused into it), in the original basis, so the state means the same either way.
+        The CPU custom call rotates inside the call (a compensated call stays fused) where
+        echo_psum's rescale is False; elsewhere (the "xla" transport, rescaling, a custom call
+        that does not rotate) the rotation is plain JAX around the transport and the
+        compensator's steps run in JAX around it. Same bits either way; the compensator state
+        stays in the original basis.
       state_dtype: storage dtype of the compensator state (m1, m2): "float32" (default) or
         "bfloat16" (a NumPy / JAX dtype or its name is accepted and stored as the name). The
         apply and update steps compute in fp32 either way; a bfloat16 state is widened exactly

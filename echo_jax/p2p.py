@@ -11,6 +11,11 @@ points:
   Both run the custom call of the platform (CPU or CUDA) where it can run, and fall back to the
   "xla" transport where it cannot (e.g. under vmap), unless `config.transport == "p2p"`, which
   raises instead. `config.transport == "xla"` does not stop them from running the custom call.
+  `config.rotation == "hadamard"` rotates inside the custom call where it rotates by itself
+  (`transports.has_fused_rotation`, e.g. the CPU call; the compensated call stays fused) and no
+  factor is given, as `echo_psum` decides; otherwise in plain JAX around the unrotated call
+  (`transports.xla.rotated_allreduce`, the factor multiplying the rotated values, the
+  compensator steps in JAX around it too). The bits are the same either way.
 * `choose(config)` says which transport an `echo_psum` call with this config runs ("p2p" or
   "xla"), `unavailable_reason` and `limit_reason` why the custom call cannot run.
 """
@@ -58,6 +63,21 @@ def _select(where, axis, config, x_flat32, num_ranks):
                              where=where, honor_env=False)
 
 
+def _rotation_in_jax(transport, config, factor) -> bool:
+    """Whether this call's rotation runs in JAX around `transport`: it cannot rotate itself, or
+    the call is rescaled (as in `echo_psum`, which never hands a rotating call a factor)."""
+    return (getattr(config, "rotation", "none") == "hadamard"
+            and (factor is not None or not transports.has_fused_rotation(transport, config)))
+
+
+def _allreduce(transport, x_flat, axis, num_ranks, config, factor):
+    """`transport.allreduce`, with the rotation in JAX around it where `_rotation_in_jax`."""
+    if _rotation_in_jax(transport, config, factor):
+        return _xla.rotated_allreduce(transport.allreduce, x_flat, axis, num_ranks, config,
+                                      factor)
+    return transport.allreduce(x_flat, axis, num_ranks, config, factor=factor)
+
+
 def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=None):
     """The quantized all-reduce of a flat contribution through the Echo custom call.
 
@@ -69,17 +89,18 @@ def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=Non
         float16; a 16-bit one goes into the call as it is (the arithmetic inside is fp32).
       axis: the bound axis name to reduce over.
       num_ranks: its size P.
-      config: bits, group size and policy.
+      config: bits, group size, policy and rotation.
       factor: None, or the f32 power of two of the rescaling (the Echo paper Sec. 5.4): the
         call multiplies x by it on entry and divides the sum by it before the output, as
-        `echo_jax.collective.xla_allreduce_scaled` does.
+        `echo_jax.collective.xla_allreduce_scaled` does (with the rotation: the rotated x,
+        and the sum before the inverse rotation).
 
     Returns:
       [n] in x's dtype, identical on every rank (typed like lax.psum's result): the fp32 sum
       rounded to x's dtype.
     """
     transport = _select("p2p_allreduce", axis, config, x_flat32, num_ranks)
-    return transport.allreduce(x_flat32, axis, num_ranks, config, factor=factor)
+    return _allreduce(transport, x_flat32, axis, num_ranks, config, factor)
 
 
 def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
@@ -90,7 +111,9 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     update u = x' - y/P, m_j = beta_j m_j + (1 - beta_j) u inside the call once y is known; m1 and
     m2 are updated in place (input_output_aliases). Equal, bit for bit, to
     `comp.apply_correction` + `xla_allreduce` + `comp.update_state` on x.astype(f32), the sum
-    then cast to x's dtype (which is what runs where the custom call cannot).
+    then cast to x's dtype (which is what runs where the custom call cannot). With
+    config.rotation="hadamard" the sum is the rotated one (`p2p_allreduce`) and the state stays
+    in the original basis; the call stays fused where it rotates by itself.
 
     Args:
       x_flat32: [n] contribution before correction, float32, bfloat16 or float16 (passed to the
@@ -110,13 +133,14 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
                              f"state only), got {jnp.result_type(m)}; echo_psum runs a "
                              "bfloat16 state unfused")
     transport = _select(where, axis, config, x_flat32, num_ranks)
-    if transports.has_fused_compensation(transport):
+    if (transports.has_fused_compensation(transport)
+            and not _rotation_in_jax(transport, config, factor)):
         return transport.allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks,
                                                config, factor=factor)
     k = comp.Coefficients.from_config(config)
     state = comp.CompensatorState(m1_flat, m2_flat)
     x_prime = comp.apply_correction(x_flat32.astype(jnp.float32), state, k)
-    y = _xla.xla_allreduce_scaled(x_prime, axis, num_ranks, config, factor)
+    y = _allreduce(transport, x_prime, axis, num_ranks, config, factor)
     new = comp.update_state(x_prime, y, num_ranks, state, k)
     return y.astype(x_flat32.dtype), new.m1, new.m2
 

@@ -30,6 +30,18 @@
 // stored and before the state update, so y and m1, m2 stay in x's units; both products are exact
 // and a factor of 1 leaves every bit as it was (echo_jax.collective.xla_allreduce_scaled).
 //
+// Rotation (attribute rotate = 1, EchoConfig.rotation = "hadamard"): every group of g values of
+// the padded layout that holds an element of x is rotated by the randomized Hadamard matrix
+// (echo::hadamard_rotate_group, the bit-exact form of echo_jax/rotation.py) where it is loaded,
+// after the apply step and before the factor, with the padding positions of a last partial group
+// at 0 before the rotation (they become nonzero and are quantized and summed like the others);
+// groups of pure padding stay 0, as the reference pads them after its rotation. The protocol then
+// runs in the rotated basis unchanged, and every dequantized group of the sum is divided by the
+// factor and rotated back before its first n values are stored and the state is updated (the
+// state stays in the original basis). Bit for bit the reference is the pure-JAX rotation around
+// the "xla" transport (echo_jax.transports.xla.rotated_allreduce): pad to whole groups, rotate,
+// times the factor, xla_allreduce, times 1 / factor, unrotate, cut to n.
+//
 // Flags, epochs and slot reuse
 // ----------------------------
 // Every rank has one monotone readiness flag (an int64 on its own cache line). A rank's k-th call
@@ -177,6 +189,8 @@ struct CallConfig {
   int64_t failing_stage;  // ... in validation, in push or after its tail (kFail*)
   std::string failure;    // the cause it reports
   bool compensated;
+  bool rotate;          // the randomized Hadamard rotation of every group (attribute rotate)
+  float hadamard_f;     // fp32(1 / sqrt(g)) of the rotation (echo::hadamard_scale)
   echo::CompCoeffs k;
   uint64_t signature;   // hash of the shape and format, compared between the ranks of a call
 };
@@ -270,6 +284,15 @@ ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, ff
   ECHO_FFI_ASSIGN_OR_RETURN(std::string_view failure,
                             GetAttr<std::string_view>(attrs, "debug_failure", kWhere));
   c.failure = std::string(failure);
+  ECHO_FFI_ASSIGN_OR_RETURN(
+      int64_t rotate,
+      GetAttrInRange<int64_t>(attrs, "rotate", 0, 1, kWhere,
+                              "1: rotate every group by the randomized Hadamard matrix "
+                              "(EchoConfig.rotation='hadamard'), 0: no rotation"));
+  ECHO_FFI_CHECK(rotate == 0 || (g & (g - 1)) == 0, kWhere, "attribute 'rotate' is 1 but "
+                 "group_size=", g, " is not a power of two (one Hadamard block per group)");
+  c.rotate = rotate == 1;
+  c.hadamard_f = c.rotate ? echo::hadamard_scale(g) : 1.0f;
   if (compensated) {
     ECHO_FFI_ASSIGN_OR_RETURN(c.k.ea, GetAttr<float>(attrs, "ea", kWhere));
     ECHO_FFI_ASSIGN_OR_RETURN(c.k.eb, GetAttr<float>(attrs, "eb", kWhere));
@@ -293,7 +316,7 @@ ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, ff
   for (uint64_t v : {static_cast<uint64_t>(n), static_cast<uint64_t>(num_ranks),
                      static_cast<uint64_t>(bits), static_cast<uint64_t>(g),
                      static_cast<uint64_t>(policy), static_cast<uint64_t>(compensated),
-                     static_cast<uint64_t>(dtype)}) {
+                     static_cast<uint64_t>(dtype), static_cast<uint64_t>(rotate)}) {
     h = Mix(h, v);
   }
   c.signature = h;
@@ -785,13 +808,24 @@ inline void StoreY(const CallConfig& cfg, const RankIO& io, int64_t k, float v) 
   }
 }
 
-// x' * factor of element k of the padded layout: x + c (fused apply step) in the original
-// units, then the rescaling (the compensator runs outside it, Sec. 5.4); 0 in the padding.
-inline float LoadContribution(const CallConfig& cfg, const RankIO& io, int64_t k) {
-  if (k >= cfg.n) return 0.0f;
-  const float x = LoadX(cfg, io, k);
-  const float xp = cfg.compensated ? echo::comp_apply(x, io.m1[k], io.m2[k], cfg.k) : x;
-  return echo::mul_rn(xp, io.factor);
+// The g values of the group that starts at element k0 of the padded layout, as the quantizer
+// sees them: x + c (fused apply step) in the original units, 0 in the padding; with cfg.rotate
+// the group is then rotated if it holds an element of x (a group of pure padding stays 0, as in
+// the reference, which pads after its rotation); then the rescaling (the compensator runs
+// outside it, Sec. 5.4).
+inline void LoadGroup(const CallConfig& cfg, const RankIO& io, int64_t k0, float* v) {
+  const int g = cfg.group_size;
+  for (int t = 0; t < g; ++t) {
+    const int64_t k = k0 + t;
+    if (k >= cfg.n) {
+      v[t] = 0.0f;
+      continue;
+    }
+    const float x = LoadX(cfg, io, k);
+    v[t] = cfg.compensated ? echo::comp_apply(x, io.m1[k], io.m2[k], cfg.k) : x;
+  }
+  if (cfg.rotate && k0 < cfg.n) echo::hadamard_rotate_group(v, g, cfg.hadamard_f);
+  for (int t = 0; t < g; ++t) v[t] = echo::mul_rn(v[t], io.factor);
 }
 
 inline uint16_t* SlotParams(uint8_t* slot) { return reinterpret_cast<uint16_t*>(slot); }
@@ -808,7 +842,7 @@ void QuantizeSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8
   uint8_t* codes = SlotCodes(cfg, slot);
   for (int64_t gi = 0; gi < cfg.seg_groups; ++gi) {
     const int64_t k0 = seg * cfg.seg_elems + gi * g;
-    for (int t = 0; t < g; ++t) buf[t] = LoadContribution(cfg, io, k0 + t);
+    LoadGroup(cfg, io, k0, buf.data());
     echo::quantize_group(buf.data(), g, cfg.bits, cfg.policy, codes + gi * cfg.code_bytes,
                          params + gi * cfg.nparams);
   }
@@ -816,8 +850,11 @@ void QuantizeSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8
 
 // Dequantizes the codes of segment `seg` into y (unpadded part, stored in y's dtype) and, for the
 // compensated call, runs the state update of those elements (the update step, inside the call)
-// with the fp32 sum, before its rounding to a 16-bit y.
-void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t* slot) {
+// with the fp32 sum, before its rounding to a 16-bit y. With cfg.rotate every group is decoded
+// whole (the padding positions of a last partial group included), divided by the factor and
+// rotated back before its first values are stored. `buf` holds g floats.
+void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t* slot,
+                   std::vector<float>& buf) {
   const int g = cfg.group_size;
   const uint16_t* params = SlotParams(slot);
   const uint8_t* codes = SlotCodes(cfg, slot);
@@ -828,11 +865,16 @@ void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t
     const echo::DequantParams d =
         echo::dequant_params(params + gi * cfg.nparams, cfg.bits, cfg.policy);
     const uint8_t* gc = codes + gi * cfg.code_bytes;
+    // Back to the original units first: y and the state update never see the factor.
+    const int decoded = cfg.rotate ? g : count;
+    for (int t = 0; t < decoded; ++t) {
+      buf[t] =
+          echo::mul_rn(echo::decode_value(echo::unpack_code(gc, t, cfg.bits), d), io.inv_factor);
+    }
+    if (cfg.rotate) echo::hadamard_unrotate_group(buf.data(), g, cfg.hadamard_f);
     for (int t = 0; t < count; ++t) {
       const int64_t k = k0 + t;
-      // Back to the original units first: y and the state update never see the factor.
-      const float y =
-          echo::mul_rn(echo::decode_value(echo::unpack_code(gc, t, cfg.bits), d), io.inv_factor);
+      const float y = buf[t];
       StoreY(cfg, io, k, y);
       if (cfg.compensated) {
         const float m1 = io.m1[k];  // read before writing: m1_out may alias m1
@@ -920,7 +962,7 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
       for (int r = 0; r < P; ++r) {
         float* v = r == 0 ? acc.data() : tmp.data();
         if (r == me) {
-          for (int t = 0; t < g; ++t) v[t] = LoadContribution(cfg, io, k0 + t);
+          LoadGroup(cfg, io, k0, v);
         } else {
           uint8_t* slot = ws.push_slot(me, r).data();
           echo::dequantize_group(SlotCodes(cfg, slot) + gi * cfg.code_bytes,
@@ -945,13 +987,13 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
     std::memcpy(slot.data(), reduced.data(), cfg.slot_bytes);
   }
   ws.flag(me).store(base + 2, std::memory_order_release);
-  FinishSegment(cfg, io, me, reduced.data());  // the owner decodes the same code as its peers
+  FinishSegment(cfg, io, me, reduced.data(), buf);  // the owner decodes the same code as peers
 
   // Stage 4, tail: the codes of the other owners.
   for (int d = 1; d < P; ++d) {
     const int j = (me + d) % P;
     ECHO_FFI_RETURN_IF_ERROR(WaitFlag(w, j, base + 2, "tail", "to gather its segment sum"));
-    FinishSegment(cfg, io, j, ws.gather_slot(me, j).data());
+    FinishSegment(cfg, io, j, ws.gather_slot(me, j).data(), buf);
   }
   if (cfg.failing_rank == me && cfg.failing_stage == kFailTail) {  // test hook
     return Internal(kWhere, cfg.failure, " (test hook debug_failing_rank: rank ", me,
@@ -1271,7 +1313,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<echo::Buffer_Type>()            // y: [n] x's dtype, the sum, same on every rank
         .Attrs());  // num_ranks, bits, group_size, policy, segment_groups, site, timeout_ms,
                     // debug_absent_rank, debug_failing_rank, debug_failing_stage,
-                    // debug_failure (see echo_jax/transports/cpu.py)
+                    // debug_failure, rotate (see echo_jax/transports/cpu.py)
 
 // echo_allreduce_comp_cpu (platform "cpu"): Algorithm 1 fused into the all-reduce.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

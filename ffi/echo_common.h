@@ -436,6 +436,60 @@ ECHO_HD void comp_update(float x_prime, float y, float m1, float m2, const CompC
   *m2_out = add_rn(q2, r2);
 }
 
+// ----------------------------------------------------------------------------------------------
+// The randomized block Hadamard rotation (EchoConfig.rotation = "hadamard"; echo_jax/rotation.py
+// is the definition, these are its bit-exact C++ form). A group of g values (g a power of two) is
+// rotated by R = H_g / sqrt(g) . diag(s) and back by R^T = diag(s) . H_g / sqrt(g):
+//   forward  v_i <- v_i * s_i (exact), then the butterfly stages, then v_i <- v_i * f
+//   inverse  the butterfly stages, then v_i <- v_i * (s_i f)
+// with f = fp32(1 / sqrt(g)) (rounded once from double) and stage h = 1, 2, 4, ..., g / 2 mapping
+// the pair (i, i + h) of every block of 2h values to (a + b, a - b), each a rounded fp32 operation.
+// Stages run in that order everywhere: fp32 sums do not commute across stages bit for bit.
+// ----------------------------------------------------------------------------------------------
+
+constexpr uint64_t kHadamardSignSeed = 0x4563686Full;  // rotation.SIGN_SEED ("Echo")
+
+// Whether s_i = -1: the top bit of splitmix64((seed << 32) + i) (rotation._signs).
+ECHO_HD bool hadamard_sign_negative(int64_t i) {
+  uint64_t z = (kHadamardSignSeed << 32) + static_cast<uint64_t>(i);
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return (z >> 63) != 0;
+}
+
+// f = fp32(1 / sqrt(g)), as numpy's np.float32(1.0 / np.sqrt(g)) (correctly rounded double
+// sqrt and division, then one rounding to fp32). Host only: kernels take it as an argument.
+inline float hadamard_scale(int64_t g) {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(g)));
+}
+
+// The butterfly stages on one group of g contiguous values (host reference form; the CUDA kernels
+// run the same stages across registers and lanes).
+inline void hadamard_stages(float* v, int64_t g) {
+  for (int64_t h = 1; h < g; h *= 2)
+    for (int64_t i0 = 0; i0 < g; i0 += 2 * h)
+      for (int64_t i = i0; i < i0 + h; ++i) {
+        const float a = v[i], b = v[i + h];
+        v[i] = add_rn(a, b);
+        v[i + h] = sub_rn(a, b);
+      }
+}
+
+// Forward rotation of one group in place (rotation.hadamard_rotate on one block).
+inline void hadamard_rotate_group(float* v, int64_t g, float f) {
+  for (int64_t i = 0; i < g; ++i) v[i] = mul_rn(v[i], hadamard_sign_negative(i) ? -1.0f : 1.0f);
+  hadamard_stages(v, g);
+  for (int64_t i = 0; i < g; ++i) v[i] = mul_rn(v[i], f);
+}
+
+// Inverse rotation of one group in place (rotation.hadamard_unrotate on one block).
+inline void hadamard_unrotate_group(float* v, int64_t g, float f) {
+  hadamard_stages(v, g);
+  for (int64_t i = 0; i < g; ++i) v[i] = mul_rn(v[i], hadamard_sign_negative(i) ? -f : f);
+}
+
 }  // namespace echo
 
 #endif  // ECHO_JAX_FFI_ECHO_COMMON_H_

@@ -18,9 +18,10 @@ constexpr int kWarp = 32;
 
 // ---- flags -------------------------------------------------------------------------------
 // Flags are monotonic 64-bit words written by one peer and polled by one reader. The writer
-// publishes with a system-scope release store after a system-scope fence, so every byte it (and,
-// through the preceding __syncthreads, its block) wrote to the peer is visible before the flag;
-// the reader polls with acquire loads, so the data reads after the poll see those bytes.
+// publishes with a system-scope release store after a __syncthreads: release is cumulative in
+// the PTX memory model, so every byte its block wrote (ordered before the store through the
+// barrier) is visible before the flag; the reader polls with acquire loads and the barrier after
+// the poll orders its block's data reads after them.
 
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   uint64_t v;

@@ -14,6 +14,11 @@
 // tail for the others), overlapped with the transfers of the other tiles, in place.
 // The rescaling's factor (Sec. 5.4; an f32[1] operand, 1 when not rescaled) multiplies x' in the
 // entry loads and divides y before its store and the state update (exact powers of two).
+// The Hadamard rotation (attribute rotate = 1; EchoConfig.rotation = "hadamard", never with a
+// factor other than 1) rotates every group after the entry loads (the own contribution in the
+// reduce stage too) and rotates the decoded sum back before the output and the state update:
+// push, reduce and gather run in the rotated basis, the state stays in the original one. The
+// reference is echo_jax.transports.xla.rotated_allreduce, bit for bit.
 //
 // Readiness crosses GPUs through flags in the receiver's memory: monotonic 64-bit words raised to
 // a per-call base that the host increases by 3 per call (push = base, gather = base + 2; the
@@ -57,7 +62,8 @@ namespace {
 
 constexpr int kMaxCudaRanks = 8;     // ranks of one group on one host (NVLink domain)
 constexpr int kThreads = 256;        // 8 warps per block: one group per warp at a time
-constexpr int kTileValues = 8192;    // values per tile at most (4 KiB of 4-bit codes)
+constexpr int kTileValues = 8192;    // values per tile at most (4 KiB of 4-bit codes); tuning:
+                                     // ECHO_JAX_P2P_TILE_VALUES
 constexpr int kMinTilesPerSegment = 64;
 constexpr int kMaxTiles = 16384;     // flag words per (peer, stage) in a workspace
 constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce stage
@@ -83,6 +89,7 @@ struct KernelArgs {
   uint64_t timeout_ns;
   int* error;          // host-mapped error word of this rank
   bool aligned;        // x, y, m1, m2 all aligned to 16 bytes: 128-bit accesses allowed
+  float rot_scale;     // fp32(1 / sqrt(g)) of the Hadamard rotation (rotated kernels only)
   CompCoeffs k;
   uint8_t* ws[kMaxCudaRanks];  // workspace base of every rank (peer pointers)
 };
@@ -351,6 +358,7 @@ __device__ void tail_group(const KernelArgs& a, int seg, int64_t grp, int64_t lo
 // The generic stages over a tile: one warp per group, g / bits / policy at run time (any g).
 template <typename T, int VEC, bool COMP>
 struct GenericStages {
+  __device__ static void setup() {}
   __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
     for (int q = warp; q < count; q += warps) push_group<T, VEC, COMP>(a, seg, first + q, local0 + q, lane);
@@ -362,6 +370,153 @@ struct GenericStages {
   __device__ static void tail(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
     for (int q = warp; q < count; q += warps) tail_group<T, VEC, COMP>(a, seg, first + q, local0 + q, lane);
+  }
+};
+
+// The generic stages with the Hadamard rotation (any power-of-two g <= kMaxRotatedGroup): a warp
+// stages its group in shared memory, rotates it there (echo_common.h's stages, lane-strided
+// pairs, __syncwarp between stages) and quantizes from there; sums and outputs likewise. The
+// fallback of the fast stages (g outside their instances, rows not 16-byte aligned), so plain.
+constexpr int kMaxRotatedGroup = 1024;
+
+template <typename T, bool COMP>
+struct RotatedGenericStages {
+  static constexpr int VEC = 2;  // g >= 2 and even: two values a chunk (one byte of 4-bit codes)
+
+  __device__ static void setup() {}
+
+  __device__ static float* group_buffer(int warp) {
+    __shared__ float buf[kThreads / kWarp][kMaxRotatedGroup];  // 32 KiB a block
+    return buf[warp];
+  }
+
+  // In place on the warp's buffer b[0, g): forward (v * s, stages, * f) or inverse (stages,
+  // * s f). Reads and writes of a stage by other lanes are ordered by __syncwarp.
+  __device__ static void rotate(float* b, int g, int lane, float f, bool inverse) {
+    __syncwarp();  // b was written by the lanes of other chunks
+    if (!inverse) {
+      for (int i = lane; i < g; i += kWarp)
+        b[i] = mul_rn(b[i], hadamard_sign_negative(i) ? -1.0f : 1.0f);
+    }
+    __syncwarp();
+    for (int h = 1; h < g; h *= 2) {
+      for (int p = lane; p < g / 2; p += kWarp) {
+        const int i = (p / h) * 2 * h + p % h;
+        const float x0 = b[i], x1 = b[i + h];
+        b[i] = add_rn(x0, x1);
+        b[i + h] = sub_rn(x0, x1);
+      }
+      __syncwarp();
+    }
+    for (int i = lane; i < g; i += kWarp)
+      b[i] = mul_rn(b[i], inverse && hadamard_sign_negative(i) ? -f : f);
+    __syncwarp();
+  }
+
+  // The quantization parameters of the (rotated) group in b.
+  __device__ static QuantParams quantize_buffer(const KernelArgs& a, const float* b, int lane) {
+    GroupStats st = empty_stats();
+    for (int c = lane; c < a.g / VEC; c += kWarp) stats_add_vec(st, b + c * VEC, VEC);
+    warp_stats(st);
+    return make_params(st, a.bits, a.policy);
+  }
+
+  __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
+                              int64_t local0, int warp, int warps, int lane) {
+    const int cb = a.g * a.bits / 8;
+    float* b = group_buffer(warp);
+    uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
+    for (int q = warp; q < count; q += warps) {
+      const int64_t local = local0 + q;
+      const int64_t e0 = (seg * a.seg_groups + first + q) * a.g;
+      for (int c = lane; c < a.g / VEC; c += kWarp) load_contrib<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
+      rotate(b, a.g, lane, a.rot_scale, false);
+      const QuantParams p = quantize_buffer(a, b, lane);
+      if (lane == 0) {
+        uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset) + local * num_params(a.policy);
+        prm[0] = p.s16;
+        if (a.policy != kPolicySym) prm[1] = p.z16;
+      }
+      for (int c = lane; c < a.g / VEC; c += kWarp)
+        encode_chunk<VEC>(b + c * VEC, p, a.bits, a.policy, slot + local * cb + c * VEC * a.bits / 8);
+      __syncwarp();  // b is reused by the next group
+    }
+  }
+
+  __device__ static void reduce(const KernelArgs& a, int64_t first, int count, int64_t local0,
+                                int warp, int warps, int lane) {
+    const int cb = a.g * a.bits / 8;
+    const int np = num_params(a.policy);
+    float* b = group_buffer(warp);
+    for (int q = warp; q < count; q += warps) {
+      const int64_t local = local0 + q;
+      const int64_t e0 = (a.me * a.seg_groups + first + q) * a.g;
+      for (int c = lane; c < a.g / VEC; c += kWarp) load_contrib<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
+      rotate(b, a.g, lane, a.rot_scale, false);  // the own contribution, rotated like the peers'
+      for (int c = lane; c < a.g / VEC; c += kWarp) {  // sum in rank order, own value in place
+        float acc[VEC];
+        for (int r = 0; r < a.P; ++r) {
+          float v[VEC];
+          if (r == a.me) {
+            v[0] = b[c * VEC];
+            v[1] = b[c * VEC + 1];
+          } else {
+            const uint8_t* slot = a.ws[a.me] + push_slot(r, a.slot_bytes);
+            const DequantParams d = load_dequant_params(
+                reinterpret_cast<const uint16_t*>(slot + a.params_offset) + local * np, a.bits,
+                a.policy);
+            decode_chunk<VEC>(slot + local * cb + c * VEC * a.bits / 8, d, a.bits, v);
+          }
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) acc[k] = r == 0 ? v[k] : add_rn(acc[k], v[k]);
+        }
+        b[c * VEC] = acc[0];
+        b[c * VEC + 1] = acc[1];
+      }
+      __syncwarp();
+      const QuantParams p = quantize_buffer(a, b, lane);
+      if (lane < a.P) {  // the parameters go to every rank's gather slot for this owner
+        uint16_t* prm = reinterpret_cast<uint16_t*>(a.ws[lane] + gather_slot(a.me, a.P, a.slot_bytes) +
+                                                    a.params_offset) + local * np;
+        prm[0] = p.s16;
+        if (a.policy != kPolicySym) prm[1] = p.z16;
+      }
+      uint16_t prm_local[2] = {p.s16, p.z16};
+      const DequantParams d = dequant_params(prm_local, a.bits, a.policy);
+      for (int c = lane; c < a.g / VEC; c += kWarp) {
+        uint8_t codes[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          codes[k] = encode_value(b[c * VEC + k], p, a.bits, a.policy);
+          b[c * VEC + k] = decode_value(codes[k], d);  // the code every rank decodes
+        }
+        for (int r = 0; r < a.P; ++r)
+          store_codes<VEC>(a.ws[r] + gather_slot(a.me, a.P, a.slot_bytes) + local * cb +
+                               c * VEC * a.bits / 8, a.bits, codes);
+      }
+      rotate(b, a.g, lane, a.rot_scale, true);
+      for (int c = lane; c < a.g / VEC; c += kWarp) store_output<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
+      __syncwarp();
+    }
+  }
+
+  __device__ static void tail(const KernelArgs& a, int seg, int64_t first, int count,
+                              int64_t local0, int warp, int warps, int lane) {
+    const int cb = a.g * a.bits / 8;
+    const int np = num_params(a.policy);
+    float* b = group_buffer(warp);
+    const uint8_t* slot = a.ws[a.me] + gather_slot(seg, a.P, a.slot_bytes);
+    for (int q = warp; q < count; q += warps) {
+      const int64_t local = local0 + q;
+      const int64_t e0 = (seg * a.seg_groups + first + q) * a.g;
+      const DequantParams d = load_dequant_params(
+          reinterpret_cast<const uint16_t*>(slot + a.params_offset) + local * np, a.bits, a.policy);
+      for (int c = lane; c < a.g / VEC; c += kWarp)
+        decode_chunk<VEC>(slot + local * cb + c * VEC * a.bits / 8, d, a.bits, b + c * VEC);
+      rotate(b, a.g, lane, a.rot_scale, true);
+      for (int c = lane; c < a.g / VEC; c += kWarp) store_output<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
+      __syncwarp();
+    }
   }
 };
 
@@ -378,7 +533,9 @@ struct GenericStages {
 // Needs x, y, m1, m2 16-byte aligned (XLA's buffers are; rows of a virtual-rank array may not
 // be) and G in {32, 64, 128, 256} (instances for larger groups cost build time and registers,
 // 118-191 a thread, for group sizes few use); every other call runs the generic stages.
-template <typename T, int G, int BITS, bool COMP>
+// ROT: the Hadamard rotation of every group after the entry loads and before the output stores,
+// in registers and shuffles (quant_fast.cuh), the sign masks of the lanes in shared memory.
+template <typename T, int G, int BITS, bool COMP, bool ROT>
 struct FastStages {
   // Two loads a lane: the stages hold a piece's values, state and output at once (registers).
   using L = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, 2>()>;
@@ -386,6 +543,22 @@ struct FastStages {
   static constexpr int kGpw = L::kGroupsPerWarp;
   static constexpr int kPieceBytes = kVec * BITS / 8;
   static constexpr int kCodeBytes = G * BITS / 8;
+
+  // Lane j's sign mask (fast::hadamard_sign_mask), computed once a block: the hash costs
+  // ~25 instructions a value, too much to repeat for every tile.
+  __device__ static uint32_t* sign_masks() {
+    __shared__ uint32_t masks[kLanes];
+    return masks;
+  }
+  __device__ static void setup() {
+    if constexpr (ROT) {
+      if (threadIdx.x < kLanes) sign_masks()[threadIdx.x] = fast::hadamard_sign_mask<L>(threadIdx.x);
+    }
+  }
+  __device__ static uint32_t sign_mask(int j) {
+    if constexpr (ROT) return sign_masks()[j];
+    return 0;
+  }
 
   // kVec fp32 values of m (m1 or m2) at element e; 0 past n.
   __device__ static void load_state(const float* m, int64_t e, int64_t n, float* v) {
@@ -510,6 +683,7 @@ struct FastStages {
   __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
     const int j = lane % kLanes;
+    const uint32_t sm = sign_mask(j);
     uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
     uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
     // q0 is the same for the 32 lanes of a warp, so every shuffle runs with the whole warp;
@@ -528,6 +702,7 @@ struct FastStages {
           for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
         }
       }
+      if constexpr (ROT) fast::hadamard_rotate<L>(v, j, sm, a.rot_scale);
       uint32_t wire;
       const fast::Encoder enc = group_encoder(a, v, &wire);
       if (!valid) continue;
@@ -542,10 +717,44 @@ struct FastStages {
     }
   }
 
+  // The reduce stage's end with the rotation: the codes of the rotated sum go to every rank's
+  // gather slot, their decoded values are rotated back (all lanes: shuffles) before the stores.
+  __device__ static void reduce_rotated_output(const KernelArgs& a, const float (&acc)[kLoads][kVec],
+                                               const fast::Encoder& enc, uint32_t wire, bool valid,
+                                               int64_t local, int64_t e0, int j, uint32_t sm) {
+    const int64_t gather = gather_slot(a.me, a.P, a.slot_bytes);
+    if (valid && j == 0) {
+      for (int r = 0; r < a.P; ++r)
+        fast::store_wire(reinterpret_cast<uint16_t*>(a.ws[r] + gather + a.params_offset), local,
+                         a.policy, wire);
+    }
+    const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
+    float y[kLoads][kVec];
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      uint32_t codes[kVec];
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        codes[t] = fast::encode(acc[k][t], enc) & enc.mask;
+        y[k][t] = decode_value(static_cast<uint8_t>(codes[t]), d);
+      }
+      if (valid) {
+        for (int r = 0; r < a.P; ++r)
+          fast::store_piece<kVec, BITS>(a.ws[r] + gather + piece_byte(local, j, k), codes,
+                                        0xFFFFFFFFu);
+      }
+    }
+    fast::hadamard_unrotate<L>(y, j, sm, a.rot_scale);
+    if (!valid) return;
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) store_output(a, e0 + L::index(j, k, 0), y[k]);
+  }
+
   // reduce + gather of the tile's groups of the own segment.
   __device__ static void reduce(const KernelArgs& a, int64_t first, int count, int64_t local0,
                                 int warp, int warps, int lane) {
     const int j = lane % kLanes;
+    const uint32_t sm = sign_mask(j);
     for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
       const int q = q0 + lane / kLanes;
       const bool valid = q < count;
@@ -578,6 +787,10 @@ struct FastStages {
             for (int t = 0; t < kVec; ++t) v[k][t] = decode_value(static_cast<uint8_t>(codes[t]), d);
           }
         }
+        // The own contribution in the rotated basis, like the peers' codes (r is warp-uniform).
+        if constexpr (ROT) {
+          if (r == a.me) fast::hadamard_rotate<L>(v, j, sm, a.rot_scale);
+        }
 #pragma unroll
         for (int k = 0; k < kLoads; ++k)
 #pragma unroll
@@ -585,38 +798,92 @@ struct FastStages {
       }
       uint32_t wire;
       const fast::Encoder enc = group_encoder(a, acc, &wire);
-      if (!valid) continue;
-      if (j == 0) {  // the parameters go to every rank's gather slot for this owner
-        for (int r = 0; r < a.P; ++r)
-          fast::store_wire(reinterpret_cast<uint16_t*>(a.ws[r] + gather_slot(a.me, a.P, a.slot_bytes) +
-                                                       a.params_offset),
-                           local, a.policy, wire);
+      if constexpr (ROT) {
+        reduce_rotated_output(a, acc, enc, wire, valid, local, e0, j, sm);
+      } else if (valid) {
+        reduce_output(a, acc, enc, wire, local, e0, j);
       }
-      const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
+    }
+  }
+
+  // The reduce stage's end: the codes of the sum go to every rank's gather slot, and the owner
+  // decodes the same codes for its own output (piece by piece).
+  __device__ static void reduce_output(const KernelArgs& a, const float (&acc)[kLoads][kVec],
+                                       const fast::Encoder& enc, uint32_t wire, int64_t local,
+                                       int64_t e0, int j) {
+    const int64_t gather = gather_slot(a.me, a.P, a.slot_bytes);
+    if (j == 0) {  // the parameters go to every rank's gather slot for this owner
+      for (int r = 0; r < a.P; ++r)
+        fast::store_wire(reinterpret_cast<uint16_t*>(a.ws[r] + gather + a.params_offset), local,
+                         a.policy, wire);
+    }
+    const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      uint32_t codes[kVec];
+      float y[kVec];
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        codes[t] = fast::encode(acc[k][t], enc) & enc.mask;
+        y[t] = decode_value(static_cast<uint8_t>(codes[t]), d);  // the code peers receive
+      }
+      for (int r = 0; r < a.P; ++r)
+        fast::store_piece<kVec, BITS>(a.ws[r] + gather + piece_byte(local, j, k), codes,
+                                      0xFFFFFFFFu);
+      store_output(a, e0 + L::index(j, k, 0), y);
+    }
+  }
+
+  // The tail with the rotation: every lane stays for the shuffles of the inverse rotation (a
+  // lane past the tile's end decodes zeros and stores nothing).
+  __device__ static void tail_rotated(const KernelArgs& a, int seg, int64_t first, int count,
+                                      int64_t local0, int warp, int warps, int lane,
+                                      const uint8_t* slot, const uint16_t* prm) {
+    const int j = lane % kLanes;
+    const uint32_t sm = sign_mask(j);
+    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
+      const int q = q0 + lane / kLanes;
+      const bool valid = q < count;
+      const int64_t local = local0 + q;
+      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+      const DequantParams d = valid ? fast::decoder_of<BITS>(fast::load_wire(prm, local, a.policy), a.policy)
+                                    : DequantParams{0.0f, 0.0f};
+      uint2 words[kLoads];
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k)
+        words[k] = valid ? fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k))
+                         : make_uint2(0, 0);
+      float y[kLoads][kVec];
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         uint32_t codes[kVec];
-        float y[kVec];
+        fast::unpack_piece_codes<kVec, BITS>(words[k], codes);
 #pragma unroll
-        for (int t = 0; t < kVec; ++t) {
-          codes[t] = fast::encode(acc[k][t], enc) & enc.mask;
-          y[t] = decode_value(static_cast<uint8_t>(codes[t]), d);  // the code peers receive
-        }
-        for (int r = 0; r < a.P; ++r)
-          fast::store_piece<kVec, BITS>(a.ws[r] + gather_slot(a.me, a.P, a.slot_bytes) +
-                                            piece_byte(local, j, k),
-                                        codes, 0xFFFFFFFFu);
-        store_output(a, e0 + L::index(j, k, 0), y);
+        for (int t = 0; t < kVec; ++t) y[k][t] = decode_value(static_cast<uint8_t>(codes[t]), d);
       }
+      fast::hadamard_unrotate<L>(y, j, sm, a.rot_scale);
+      if (!valid) continue;
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) store_output(a, e0 + L::index(j, k, 0), y[k]);
     }
   }
 
   // tail: dequantize the tile's groups of owner seg's reduced code.
   __device__ static void tail(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
-    const int j = lane % kLanes;
     const uint8_t* slot = a.ws[a.me] + gather_slot(seg, a.P, a.slot_bytes);
     const uint16_t* prm = reinterpret_cast<const uint16_t*>(slot + a.params_offset);
+    if constexpr (ROT) {
+      tail_rotated(a, seg, first, count, local0, warp, warps, lane, slot, prm);
+    } else {
+      tail_plain(a, seg, first, count, local0, warp, warps, lane, slot, prm);
+    }
+  }
+
+  __device__ static void tail_plain(const KernelArgs& a, int seg, int64_t first, int count,
+                                    int64_t local0, int warp, int warps, int lane,
+                                    const uint8_t* slot, const uint16_t* prm) {
+    const int j = lane % kLanes;
     for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
       const int q = q0 + lane / kLanes;
       if (q >= count) continue;  // no shuffles here: lanes may leave
@@ -652,6 +919,7 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
   const int ct = a.chunk_tiles;
   if (threadIdx.x == 0) give_up = 0;
   set_scaling(a);
+  Stages::setup();
   __syncthreads();
 
   // Tile t of the chunk covers segment groups [(tile0 + t) * TG, ...) clipped to Gs.
@@ -668,7 +936,9 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
     int64_t first;
     const int count = tile_groups(t, &first);
     Stages::push(a, seg, first, count, static_cast<int64_t>(t) * a.tile_groups, warp, warps, lane);
-    __threadfence_system();
+    // The barrier, then one system-scope release store: the release is cumulative, so it
+    // publishes every write the block made before the barrier (the pattern of a grid barrier).
+    // A system fence in each of the 256 threads per tile cost more than the fence is worth.
     __syncthreads();
     if (threadIdx.x == 0) st_release_sys(flag_ptr(a, seg, kStagePush, a.me, t), a.base);
   }
@@ -685,8 +955,7 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
     int64_t first;
     const int count = tile_groups(t, &first);
     Stages::reduce(a, first, count, static_cast<int64_t>(t) * a.tile_groups, warp, warps, lane);
-    __threadfence_system();
-    __syncthreads();
+    __syncthreads();  // then one release per peer, as after push
     if (threadIdx.x < a.P && threadIdx.x != a.me)
       st_release_sys(flag_ptr(a, threadIdx.x, kStageGather, a.me, t), a.base + 2);
   }
@@ -842,13 +1111,15 @@ std::string describe_error(int code, int rank) {
 struct CallAttrs {
   int bits, g, policy, P;
   int64_t timeout_ms;
+  int64_t rotate;       // 1: the Hadamard rotation inside the call (EchoConfig.rotation)
   CompCoeffs k;
   const float* factor;  // device f32[1], the rescaling's power of two
 };
 
 LaunchPlan make_plan(const Group& grp, const CallAttrs& at, int64_t seg_groups, int resident) {
   LaunchPlan pl;
-  const int max_tg = std::max(1, kTileValues / at.g);
+  static const int64_t tile_values = std::max<int64_t>(1, env_int("ECHO_JAX_P2P_TILE_VALUES", kTileValues));
+  const int max_tg = static_cast<int>(std::max<int64_t>(1, tile_values / at.g));
   pl.tile_groups = static_cast<int>(std::clamp<int64_t>(
       (seg_groups + kMinTilesPerSegment - 1) / kMinTilesPerSegment, 1, max_tg));
   pl.tiles_per_segment = (seg_groups + pl.tile_groups - 1) / pl.tile_groups;
@@ -877,9 +1148,12 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
     std::lock_guard<std::mutex> lock(grp.mu);
     auto it = grp.plans.find(key);
     if (it == grp.plans.end()) {
-      const int resident = std::max(
-          1, resident_blocks(reinterpret_cast<const void*>(kernel), grp.devices[rank]) /
-                 ranks_on_device);
+      // Tuning: ECHO_JAX_P2P_GRID_PERCENT of the resident blocks (default 100).
+      static const int64_t grid_percent =
+          std::clamp<int64_t>(env_int("ECHO_JAX_P2P_GRID_PERCENT", 100), 1, 100);
+      const int resident = static_cast<int>(std::max<int64_t>(
+          1, resident_blocks(reinterpret_cast<const void*>(kernel), grp.devices[rank]) *
+                 grid_percent / 100 / ranks_on_device));
       it = grp.plans.emplace(key, make_plan(grp, at, seg_groups, resident)).first;
     }
     pl = it->second;
@@ -894,6 +1168,7 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
   a.timeout_ns = static_cast<uint64_t>(at.timeout_ms) * 1000000ull;
   a.error = grp.dev_error[rank];
   a.aligned = aligned;
+  a.rot_scale = at.rotate ? hadamard_scale(at.g) : 1.0f;
   a.k = at.k;
   for (int r = 0; r < at.P; ++r) a.ws[r] = grp.ws[r];
   for (int64_t t0 = 0; t0 < pl.tiles_per_segment; t0 += pl.chunk_tiles) {
@@ -906,13 +1181,20 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
   return ffi::Error::Success();
 }
 
-// The fast kernel instance for (T, g, bits, COMP), or nullptr when g has none.
-template <typename T, bool COMP, int BITS, int... Gs>
+// The fast kernel instance for (T, g, bits, COMP, ROT), or nullptr when g has none.
+template <typename T, bool COMP, bool ROT, int BITS, int... Gs>
 void (*fast_kernel_for(int g))(KernelArgs) {
   void (*kernel)(KernelArgs) = nullptr;
-  ((g == Gs ? (kernel = echo_allreduce_kernel<FastStages<T, Gs, BITS, COMP>, T>, true) : false) ||
+  ((g == Gs ? (kernel = echo_allreduce_kernel<FastStages<T, Gs, BITS, COMP, ROT>, T>, true)
+            : false) ||
    ...);
   return kernel;
+}
+
+template <typename T, bool COMP, bool ROT>
+void (*fast_kernel_for_bits(int bits, int g))(KernelArgs) {
+  return bits == 4 ? fast_kernel_for<T, COMP, ROT, 4, 32, 64, 128, 256>(g)
+                   : fast_kernel_for<T, COMP, ROT, 8, 32, 64, 128, 256>(g);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -928,10 +1210,12 @@ ffi::Error run_rank(Group& grp, int rank, cudaStream_t stream, const CallAttrs& 
       aligned16(x) && aligned16(y) && (m1 == nullptr || (aligned16(m1) && aligned16(m2)));
   void (*kernel)(KernelArgs) = nullptr;
   if (fast_ok && aligned && fast::has_fast_policy(at.policy) && !fast::generic_kernels_forced()) {
-    kernel = at.bits == 4 ? fast_kernel_for<T, COMP, 4, 32, 64, 128, 256>(at.g)
-                          : fast_kernel_for<T, COMP, 8, 32, 64, 128, 256>(at.g);
+    kernel = at.rotate ? fast_kernel_for_bits<T, COMP, true>(at.bits, at.g)
+                       : fast_kernel_for_bits<T, COMP, false>(at.bits, at.g);
   }
-  if (kernel == nullptr) {
+  if (kernel == nullptr && at.rotate) {
+    kernel = echo_allreduce_kernel<RotatedGenericStages<T, COMP>, T>;
+  } else if (kernel == nullptr) {
     kernel = at.g % 4 == 0   ? echo_allreduce_kernel<GenericStages<T, 4, COMP>, T>
              : at.g % 2 == 0 ? echo_allreduce_kernel<GenericStages<T, 2, COMP>, T>
                              : echo_allreduce_kernel<GenericStages<T, 1, COMP>, T>;
@@ -962,6 +1246,14 @@ ffi::Error check_attrs(const CallAttrs& at) {
   if (at.factor == nullptr)
     return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): the factor operand must be f32[1] "
                                        "(the rescaling's power of two; 1 when not rescaled)");
+  if (at.rotate != 0 && at.rotate != 1)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): rotate must be 0 or 1, got " +
+                                       std::to_string(at.rotate));
+  if (at.rotate && (at.g > kMaxRotatedGroup || (at.g & (at.g - 1))))
+    return ffi::Error::InvalidArgument(
+        "echo_jax p2p (CUDA): the rotation in the call needs a power-of-two group_size of at most " +
+        std::to_string(kMaxRotatedGroup) + ", got " + std::to_string(at.g) +
+        " (larger groups rotate in JAX around the call)");
   if (at.P < 1 || at.P > kMaxCudaRanks)
     return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): num_ranks must be in [1, " +
                                        std::to_string(kMaxCudaRanks) + "], got " +
@@ -1144,10 +1436,10 @@ ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x,
 }
 
 CallAttrs make_attrs(ffi::Buffer<ffi::F32> factor, int64_t bits, int64_t g, int64_t policy,
-                     int64_t P, int64_t timeout_ms, float ea, float eb, float b1, float c1,
-                     float b2, float c2, float inv_p) {
+                     int64_t P, int64_t timeout_ms, int64_t rotate, float ea, float eb, float b1,
+                     float c1, float b2, float c2, float inv_p) {
   return CallAttrs{static_cast<int>(bits), static_cast<int>(g), static_cast<int>(policy),
-                   static_cast<int>(P), std::max<int64_t>(1, timeout_ms),
+                   static_cast<int>(P), std::max<int64_t>(1, timeout_ms), rotate,
                    CompCoeffs{ea, eb, b1, c1, b2, c2, inv_p},
                    factor.element_count() == 1 ? factor.typed_data() : nullptr};
 }
@@ -1164,10 +1456,10 @@ using echo::cuda::make_attrs;
 static ffi::Error EchoAllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
                                    ffi::Buffer<ffi::F32> factor, ffi::Result<ffi::AnyBuffer> y,
                                    int64_t bits, int64_t group_size, int64_t policy,
-                                   int64_t num_ranks, int64_t timeout_ms,
+                                   int64_t num_ranks, int64_t timeout_ms, int64_t rotate,
                                    ffi::Span<const int64_t> groups) {
-  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, 0, 0, 0,
-                                  0, 0, 0, 1.0f / static_cast<float>(num_ranks));
+  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, rotate,
+                                  0, 0, 0, 0, 0, 0, 1.0f / static_cast<float>(num_ranks));
   return echo::cuda::RankImpl(stream, x, std::nullopt, std::nullopt, y, nullptr, nullptr,
                               at, groups);
 }
@@ -1184,6 +1476,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("policy")                   // 0 asym, 1 sym, 2 asym_naive
         .Attr<int64_t>("num_ranks")                // P
         .Attr<int64_t>("timeout_ms")               // bound on every wait for a peer
+        .Attr<int64_t>("rotate")                   // 1: Hadamard rotation in the call
         .Attr<ffi::Span<const int64_t>>("groups"));  // device ordinals, P per group
 
 static ffi::Error EchoAllReduceCompCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
@@ -1193,11 +1486,11 @@ static ffi::Error EchoAllReduceCompCudaImpl(cudaStream_t stream, ffi::AnyBuffer 
                                         ffi::ResultBuffer<ffi::F32> m1_out,
                                         ffi::ResultBuffer<ffi::F32> m2_out, int64_t bits,
                                         int64_t group_size, int64_t policy, int64_t num_ranks,
-                                        int64_t timeout_ms, ffi::Span<const int64_t> groups,
-                                        float ea, float eb, float b1, float c1, float b2, float c2,
-                                        float inv_p) {
-  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, ea, eb,
-                                  b1, c1, b2, c2, inv_p);
+                                        int64_t timeout_ms, int64_t rotate,
+                                        ffi::Span<const int64_t> groups, float ea, float eb,
+                                        float b1, float c1, float b2, float c2, float inv_p) {
+  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, rotate,
+                                  ea, eb, b1, c1, b2, c2, inv_p);
   return echo::cuda::RankImpl(stream, x, m1, m2, y, m1_out->typed_data(),
                               m2_out->typed_data(), at, groups);
 }
@@ -1218,6 +1511,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("policy")
         .Attr<int64_t>("num_ranks")
         .Attr<int64_t>("timeout_ms")
+        .Attr<int64_t>("rotate")
         .Attr<ffi::Span<const int64_t>>("groups")
         .Attr<float>("ea")      // eta * a
         .Attr<float>("eb")      // eta * (1 - a)
@@ -1231,9 +1525,10 @@ static ffi::Error EchoAllReduceVirtualCudaImpl(cudaStream_t stream, ffi::AnyBuff
                                            ffi::Buffer<ffi::F32> factor,
                                            ffi::Result<ffi::AnyBuffer> y, int64_t bits,
                                            int64_t group_size, int64_t policy, int64_t num_ranks,
-                                           int64_t timeout_ms, int64_t absent_rank) {
-  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, 0, 0, 0,
-                                  0, 0, 0, 1.0f / static_cast<float>(num_ranks));
+                                           int64_t timeout_ms, int64_t rotate,
+                                           int64_t absent_rank) {
+  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, rotate,
+                                  0, 0, 0, 0, 0, 0, 1.0f / static_cast<float>(num_ranks));
   return echo::cuda::VirtualImpl(stream, x, std::nullopt, std::nullopt, y, nullptr, nullptr,
                                  at, static_cast<int>(absent_rank));
 }
@@ -1250,6 +1545,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("policy")
         .Attr<int64_t>("num_ranks")
         .Attr<int64_t>("timeout_ms")
+        .Attr<int64_t>("rotate")
         .Attr<int64_t>("absent_rank"));  // -1; a rank to leave out (tests of the timeout)
 
 static ffi::Error EchoAllReduceVirtualCompCudaImpl(
@@ -1257,10 +1553,10 @@ static ffi::Error EchoAllReduceVirtualCompCudaImpl(
     ffi::Buffer<ffi::F32> m2, ffi::Buffer<ffi::F32> factor, ffi::Result<ffi::AnyBuffer> y,
     ffi::ResultBuffer<ffi::F32> m1_out,
     ffi::ResultBuffer<ffi::F32> m2_out, int64_t bits, int64_t group_size, int64_t policy,
-    int64_t num_ranks, int64_t timeout_ms, float ea, float eb, float b1, float c1, float b2,
-    float c2, float inv_p) {
-  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, ea, eb,
-                                  b1, c1, b2, c2, inv_p);
+    int64_t num_ranks, int64_t timeout_ms, int64_t rotate, float ea, float eb, float b1, float c1,
+    float b2, float c2, float inv_p) {
+  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, rotate,
+                                  ea, eb, b1, c1, b2, c2, inv_p);
   return echo::cuda::VirtualImpl(stream, x, m1, m2, y, m1_out->typed_data(),
                                  m2_out->typed_data(), at, -1);
 }
@@ -1281,6 +1577,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("policy")
         .Attr<int64_t>("num_ranks")
         .Attr<int64_t>("timeout_ms")
+        .Attr<int64_t>("rotate")
         .Attr<float>("ea")
         .Attr<float>("eb")
         .Attr<float>("b1")

@@ -263,6 +263,93 @@ struct QuantLayout {
   ECHO_HD static constexpr int index(int j, int k, int t) { return k * kLanes * kVec + j * kVec + t; }
 };
 
+// ---- the Hadamard rotation over a QuantLayout (echo_common.h's definition) -------------------
+// The butterfly stage h pairs the values i and i + h of every block of 2h; in the layout the
+// index bits split into t (in a piece), j (the lane) and k (the piece), low to high, so stages
+// h < kVec pair values of one piece, kVec <= h < kVec * kLanes values of the lanes j and
+// j ^ (h / kVec) (one shuffle, both lanes of a pair compute their own half), and larger h values
+// of pieces k and k ^ h'. Stage order h = 1, 2, 4, ... as the reference: fp32 sums do not commute
+// across stages bit for bit. Every lane of the warp must call these (shuffles), valid or not.
+
+// Bit k * kVec + t set: value (k, t) of lane j has s_i = -1 (at most 32 values a lane).
+template <class L>
+__device__ __forceinline__ uint32_t hadamard_sign_mask(int j) {
+  static_assert(L::kValuesPerLane <= 32, "a lane's sign mask holds 32 values");
+  uint32_t m = 0;
+#pragma unroll
+  for (int k = 0; k < L::kLoads; ++k)
+#pragma unroll
+    for (int t = 0; t < L::kVec; ++t)
+      if (hadamard_sign_negative(L::index(j, k, t))) m |= 1u << (k * L::kVec + t);
+  return m;
+}
+
+template <class L>
+__device__ __forceinline__ void hadamard_stages(float (&v)[L::kLoads][L::kVec], int j) {
+#pragma unroll
+  for (int h = 1; h < L::kVec; h *= 2)
+#pragma unroll
+    for (int k = 0; k < L::kLoads; ++k)
+#pragma unroll
+      for (int t = 0; t < L::kVec; ++t)
+        if (!(t & h)) {
+          const float a = v[k][t], b = v[k][t + h];
+          v[k][t] = add_rn(a, b);
+          v[k][t + h] = sub_rn(a, b);
+        }
+#pragma unroll
+  for (int o = 1; o < L::kLanes; o *= 2)
+#pragma unroll
+    for (int k = 0; k < L::kLoads; ++k)
+#pragma unroll
+      for (int t = 0; t < L::kVec; ++t) {
+        const float other = __shfl_xor_sync(0xffffffffu, v[k][t], o);
+        v[k][t] = (j & o) ? sub_rn(other, v[k][t]) : add_rn(v[k][t], other);
+      }
+#pragma unroll
+  for (int h = 1; h < L::kLoads; h *= 2)
+#pragma unroll
+    for (int k = 0; k < L::kLoads; ++k)
+      if (!(k & h)) {
+#pragma unroll
+        for (int t = 0; t < L::kVec; ++t) {
+          const float a = v[k][t], b = v[k + h][t];
+          v[k][t] = add_rn(a, b);
+          v[k + h][t] = sub_rn(a, b);
+        }
+      }
+}
+
+// Forward: v <- v * s (a sign flip, exact), the stages, v <- v * f.
+template <class L>
+__device__ __forceinline__ void hadamard_rotate(float (&v)[L::kLoads][L::kVec], int j,
+                                                uint32_t sign_mask, float f) {
+#pragma unroll
+  for (int k = 0; k < L::kLoads; ++k)
+#pragma unroll
+    for (int t = 0; t < L::kVec; ++t)
+      v[k][t] = __uint_as_float(__float_as_uint(v[k][t]) ^
+                                (((sign_mask >> (k * L::kVec + t)) & 1u) << 31));
+  hadamard_stages<L>(v, j);
+#pragma unroll
+  for (int k = 0; k < L::kLoads; ++k)
+#pragma unroll
+    for (int t = 0; t < L::kVec; ++t) v[k][t] = mul_rn(v[k][t], f);
+}
+
+// Inverse: the stages, then v <- v * (s f).
+template <class L>
+__device__ __forceinline__ void hadamard_unrotate(float (&v)[L::kLoads][L::kVec], int j,
+                                                  uint32_t sign_mask, float f) {
+  hadamard_stages<L>(v, j);
+  const float neg_f = -f;
+#pragma unroll
+  for (int k = 0; k < L::kLoads; ++k)
+#pragma unroll
+    for (int t = 0; t < L::kVec; ++t)
+      v[k][t] = mul_rn(v[k][t], ((sign_mask >> (k * L::kVec + t)) & 1u) ? neg_f : f);
+}
+
 }  // namespace fast
 }  // namespace echo
 

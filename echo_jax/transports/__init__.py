@@ -10,10 +10,15 @@ A transport is a module with
   limits, else a sentence;
 * ``allreduce(x_flat, axis, num_ranks, config, factor=None)``: the quantized all-reduce of a flat
   contribution (float32, bfloat16 or float16), the sum in x's dtype, the same bits on every
-  transport;
+  transport; with ``config.rotation == "hadamard"`` rotated inside the call (the bits of
+  `xla.rotated_allreduce`: pad to whole groups, rotate, all-reduce, rotate back, cut);
 * optionally ``allreduce_compensated(x_flat, m1, m2, axis, num_ranks, config, factor=None)``:
-  Algorithm 1 of the Echo paper fused into the call (fp32 state). `echo_psum` takes the fused
-  path where the chosen transport has it (and `collective.fused_compensation` allows it).
+  Algorithm 1 of the Echo paper fused into the call (fp32 state), rotated like ``allreduce``
+  between the apply and the update steps. `echo_psum` takes the fused path where the chosen
+  transport has it (and `collective.fused_compensation` allows it);
+* optionally ``fused_rotation(config)``: whether the call rotates by itself for this config
+  (`has_fused_rotation`; a transport without it counts as False). Where it does not,
+  `echo_psum` rotates in JAX around it and passes it ``rotation="none"``.
 
 The transports: `xla` (pure JAX, everywhere, the reference), `cpu` (the XLA FFI custom call of
 `echo_jax._ffi`, host threads over shared memory) and `cuda` (the CUDA custom calls of
@@ -113,5 +118,19 @@ def has_fused_compensation(transport) -> bool:
     return callable(getattr(transport, "allreduce_compensated", None))
 
 
+def has_fused_rotation(transport, config: EchoConfig) -> bool:
+    """Whether a transport module's calls rotate by themselves for this config (its
+    ``fused_rotation(config)``; False for a transport without one). `echo_psum` hands the
+    rotation to the call only where this holds (`collective.fused_rotation`).
+
+    Args:
+      transport: a transport module (`select`'s result).
+      config: the call's EchoConfig.
+    """
+    fused = getattr(transport, "fused_rotation", None)
+    return bool(fused(config)) if callable(fused) else False
+
+
 __all__ = ["select", "resolve", "custom_call", "unavailable_reason", "limit_reason",
-           "has_fused_compensation", "FORCE_XLA_ENV", "base", "xla", "cpu", "cuda"]
+           "has_fused_compensation", "has_fused_rotation", "FORCE_XLA_ENV", "base", "xla", "cpu",
+           "cuda"]

@@ -8,6 +8,15 @@ meet inside the custom call (on CPU: host threads over shared memory, see
 ffi/echo_allreduce_cpu.cc). The protocol and the wire format are those of `collective.py` and
 `quant.py`.
 
+Rotation: with `config.rotation="hadamard"` both calls rotate inside the handler (attribute
+rotate = 1): every group of the padded layout that holds an element of x is rotated by the
+randomized Hadamard matrix after the apply step, the protocol runs in the rotated basis, and each
+group of the sum is rotated back before it is stored and the state is updated (in the original
+basis). The bits are those of `echo_jax.transports.xla.rotated_allreduce` (pad to whole groups,
+`rotation.hadamard_rotate`, the all-reduce, `rotation.hadamard_unrotate`, cut) around the same
+compensator steps; `fused_rotation` says so to `echo_psum`. A rescaling factor multiplies the
+rotated values (and divides the sum before the inverse rotation), as in that reference.
+
 On CPU (ffi/echo_allreduce_cpu.cc) the handler is asynchronous: each rank's call returns a
 future to XLA and runs push / reduce / gather / tail on a host thread of its own, the ranks meeting
 in a workspace per (call site, devices of the group) that is allocated at the first execution and
@@ -42,6 +51,8 @@ debug_absent_rank  test hook (`debug_absent_rank()`), -1 normally
 debug_failing_     test hook (`debug_failing_rank()`): rank (-1 normally), stage (0 = validation,
 rank, _stage,      1 = push, 2 = after the tail) and cause ("" normally) of a rank that fails
 debug_failure      on purpose
+rotate             1: rotate every group (`config.rotation == "hadamard"`; g a power of two),
+                   0: no rotation
 ea, eb, b1, c1,    fp32 coefficients of `compensator.Coefficients` and f32(1/P)
 b2, c2, inv_p  (compensated call only)
 =================  =========================================================================
@@ -119,6 +130,17 @@ def _register(platform: str) -> None:
             for name, capsule in _ffi.registrations().items():
                 jax.ffi.register_ffi_target(name, capsule, platform="cpu")
         _registered.add(platform)
+
+
+def fused_rotation(config: EchoConfig) -> bool:
+    """Whether the CPU call rotates by itself for this config: yes, for every group size the
+    rotation allows (a power of two, which `EchoConfig` enforces with rotation="hadamard").
+
+    Args:
+      config: the call's EchoConfig.
+    """
+    g = config.group_size
+    return g > 0 and g & (g - 1) == 0
 
 
 def unavailable_reason(axis_name=None) -> str | None:
@@ -234,13 +256,17 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
     if reason is not None:
         raise ValueError(f"{where}: {reason} (axis {axis!r}); use transport='xla'")
     seg_groups, _ = base.segment_layout(n, num_ranks, config.group_size)
+    if config.rotation == "hadamard" and not fused_rotation(config):
+        raise ValueError(f"{where}: rotation='hadamard' needs a power-of-two group_size, got "
+                         f"{config.group_size}")
     return dict(num_ranks=num_ranks, bits=int(config.bits), group_size=int(config.group_size),
                 policy=POLICY_CODES[config.policy], segment_groups=int(seg_groups),
                 site=next(_sites), timeout_ms=base.timeout_ms(),
                 debug_absent_rank=int(_debug_absent_rank) if _debug_absent_rank < num_ranks
                 else -1,
                 debug_failing_rank=_debug_failing[0] if _debug_failing[0] < num_ranks else -1,
-                debug_failing_stage=_debug_failing[1], debug_failure=_debug_failing[2])
+                debug_failing_stage=_debug_failing[1], debug_failure=_debug_failing[2],
+                rotate=int(config.rotation == "hadamard"))
 
 
 def allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=None):
@@ -255,9 +281,11 @@ def allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=None):
         float16; a 16-bit one goes into the call as it is (the arithmetic inside is fp32).
       axis: the bound axis name to reduce over.
       num_ranks: its size P.
-      config: bits, group size and policy.
+      config: bits, group size, policy and rotation (rotation="hadamard": rotated inside the
+        call, the bits of `echo_jax.transports.xla.allreduce` with the same config).
       factor: None, or the f32 power of two of the rescaling (the Echo paper Sec. 5.4): the
-        call multiplies x by it on entry and divides the sum by it before the output.
+        call multiplies x by it on entry (the rotated x with the rotation) and divides the sum
+        by it before the output (before the inverse rotation).
 
     Returns:
       [n] in x's dtype, identical on every rank (typed like lax.psum's result).
@@ -280,7 +308,9 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     update u = x' - y/P, m_j = beta_j m_j + (1 - beta_j) u inside the call once y is known; m1 and
     m2 are updated in place (input_output_aliases). Equal, bit for bit, to
     `comp.apply_correction` + `xla_allreduce` + `comp.update_state` on x.astype(f32), the sum
-    then cast to x's dtype.
+    then cast to x's dtype. With config.rotation="hadamard" the call rotates x' after the apply
+    step and rotates the sum back before the update (the state stays in the original basis):
+    the bits of apply + `echo_jax.transports.xla.allreduce` (rotated) + update.
 
     Args:
       x_flat32: [n] contribution before correction, float32, bfloat16 or float16.
@@ -325,6 +355,7 @@ def registry_stats() -> dict:
 
 
 __all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "allreduce_compensated",
+           "fused_rotation",
            "available_platforms", "debug_absent_rank", "debug_failing_rank", "factor_operand",
            "build_info", "registry_stats", "POLICY_CODES", "TARGET", "TARGET_COMPENSATED",
            "MAX_RANKS", "TIMEOUT_ENV"]

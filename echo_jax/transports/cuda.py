@@ -11,7 +11,9 @@ and the fused `allreduce_compensated`, one rank per GPU inside `jax.shard_map`. 
 * `quantize` / `dequantize`: the wire-format kernels on their own.
 
 All of them return the same bits as the pure-JAX reference (`echo_jax.quant`,
-`echo_jax.collective.xla_allreduce`, `echo_jax.compensator`).
+`echo_jax.collective.xla_allreduce`, `echo_jax.compensator`). With `EchoConfig.rotation="hadamard"`
+the all-reduce kernels rotate every group themselves (groups up to `MAX_ROTATED_GROUP`; the
+reference is `echo_jax.transports.xla.rotated_allreduce`), compensated or not.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from echo_jax.transports.base import TIMEOUT_ENV, build_mismatch, factor_operand
 NAME = "p2p"
 
 MAX_RANKS = 8
+
+#: The largest group the kernels rotate themselves (`EchoConfig.rotation="hadamard"`); a larger
+#: power-of-two group rotates in JAX around the call.
+MAX_ROTATED_GROUP = 1024
 
 POLICY_CODES = policies.CODES
 
@@ -77,16 +83,31 @@ def register() -> None:
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 
 
-def _check(config: EchoConfig, num_ranks: int, where: str):
+def _check(config: EchoConfig, num_ranks: int, where: str, factor=None):
     if not 1 <= num_ranks <= MAX_RANKS:
         raise ValueError(f"{where}: the CUDA custom call supports 1..{MAX_RANKS} ranks per group, "
                          f"got {num_ranks}; use transport='xla'")
+    if config.rotation == "hadamard":
+        if not fused_rotation(config):
+            raise ValueError(f"{where}: the kernels rotate groups of at most {MAX_ROTATED_GROUP} "
+                             f"values, got group_size={config.group_size}; echo_psum rotates "
+                             "larger groups in JAX around the call")
+        if factor is not None:
+            raise ValueError(f"{where}: a rescaling factor with rotation='hadamard' must come from "
+                             "the rotated values; echo_psum runs that case in JAX around the call")
+
+
+def fused_rotation(config: EchoConfig) -> bool:
+    """Whether the custom call rotates itself for `config` (`transports.has_fused_rotation`):
+    every power-of-two group_size up to MAX_ROTATED_GROUP (EchoConfig checks the power of two)."""
+    return config.group_size <= MAX_ROTATED_GROUP
 
 
 def _attrs(config: EchoConfig, num_ranks: int, state: bool):
     a = dict(bits=np.int64(config.bits), group_size=np.int64(config.group_size),
              policy=np.int64(POLICY_CODES[config.policy]), num_ranks=np.int64(num_ranks),
-             timeout_ms=np.int64(timeout_ms()))
+             timeout_ms=np.int64(timeout_ms()),
+             rotate=np.int64(config.rotation == "hadamard"))
     if state:
         k = comp.Coefficients.from_config(config)
         a.update(ea=k.ea, eb=k.eb, b1=k.b1, c1=k.c1, b2=k.b2, c2=k.c2,
@@ -132,7 +153,7 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
     """
     register()
     num_ranks = x.shape[0]
-    _check(config, num_ranks, "virtual_allreduce")
+    _check(config, num_ranks, "virtual_allreduce", factor)
     flat = x.reshape(num_ranks, -1)
     y_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
     if state is None:
@@ -180,7 +201,7 @@ def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None, fact
     """One rank's Echo all-reduce on its GPU, inside shard_map (under `jax.set_mesh`); `factor`
     as in `virtual_allreduce` (the same on every rank: it comes from a pmax)."""
     register()
-    _check(config, num_ranks, "rank_allreduce")
+    _check(config, num_ranks, "rank_allreduce", factor)
     groups = mesh_groups(axis, num_ranks)
     if groups is None:
         raise ValueError("transport='p2p' on GPUs needs the concrete mesh: call inside "
@@ -258,5 +279,6 @@ def allreduce_compensated(x_flat, m1_flat, m2_flat, axis, num_ranks: int, config
 
 
 __all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "allreduce_compensated",
-           "available", "build_info", "register", "quantize", "dequantize", "virtual_allreduce",
+           "fused_rotation", "MAX_ROTATED_GROUP", "available", "build_info", "register",
+           "quantize", "dequantize", "virtual_allreduce",
            "rank_allreduce", "mesh_groups", "MAX_RANKS", "TIMEOUT_ENV", "POLICY_CODES"]

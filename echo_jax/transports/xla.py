@@ -4,6 +4,12 @@ It runs everywhere (CPU, GPU, TPU, across hosts, and under `jax.vmap(..., axis_n
 simulated ranks on one device) and is the reference of the custom calls, bit for bit. The
 protocol is the one described in `echo_jax.collective`. It has no fused compensated call:
 `echo_psum` runs the compensator's apply and update steps in JAX around `allreduce`.
+
+Rotation: `allreduce` honours `config.rotation="hadamard"` with the rotation in plain JAX around
+the quantized all-reduce (`rotated_allreduce`, the reference of the custom calls' fused rotation).
+`fused_rotation` is False: nothing is fused here, so `echo_psum` keeps its own JAX rotation path
+for this transport (which also takes the rescaling factor from the rotated values) and hands it
+a config with rotation="none".
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from jax import lax
 
 from echo_jax import _compat
 from echo_jax import quant
+from echo_jax import rotation as rot
 from echo_jax.config import EchoConfig
 from echo_jax.transports.base import segment_layout
 
@@ -35,6 +42,48 @@ def limit_reason(config: EchoConfig, num_elements: int, num_ranks: int) -> str |
     custom calls' `limit_reason`."""
     del config, num_elements, num_ranks
     return None
+
+
+def fused_rotation(config: EchoConfig) -> bool:
+    """Whether this transport's call rotates by itself: never (False). `echo_psum` runs the
+    rotation in JAX around it (`echo_jax.collective`) and passes it rotation="none".
+
+    Args:
+      config: the call's EchoConfig (unused).
+    """
+    del config
+    return False
+
+
+def rotated_allreduce(allreduce_fn, x_flat, axis, num_ranks: int, config: EchoConfig,
+                      factor=None):
+    """The rotated all-reduce in plain JAX around an unrotated all-reduce (`allreduce_fn`).
+
+    x (widened to fp32 exactly) is padded with zeros to whole groups of g, every group is
+    rotated (`echo_jax.rotation.hadamard_rotate`), `allreduce_fn` sums the rotated values (times
+    `factor` before and 1 / factor after, inside it), the sum is rotated back, cut to n and
+    rounded to x's dtype. This is the definition the custom calls' fused rotation (attribute
+    rotate = 1) follows bit for bit.
+
+    Args:
+      allreduce_fn: a transport's `allreduce` (x_flat, axis, num_ranks, config, factor=...); it
+        gets `config` with rotation="none" and an fp32 [ceil(n / g) * g] contribution.
+      x_flat: [n] contribution (float32, bfloat16 or float16), already compensated.
+      axis, num_ranks: the bound axis and its size P.
+      config: bits, group size (a power of two) and policy; its rotation is ignored.
+      factor: None, or the f32 power of two of the rescaling, applied to the rotated values.
+
+    Returns:
+      [n] in x's dtype, identical on every rank.
+    """
+    dtype = jnp.result_type(x_flat)
+    g = config.group_size
+    n = x_flat.shape[0]
+    padded = -(-max(n, 1) // g) * g
+    xr = rot.hadamard_rotate(jnp.pad(x_flat.astype(jnp.float32), (0, padded - n)), g)
+    plain = config if config.rotation == "none" else config.replace(rotation="none")
+    yr = allreduce_fn(xr, axis, num_ranks, plain, factor=factor)
+    return rot.hadamard_unrotate(yr, g)[:n].astype(dtype)
 
 
 def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
@@ -93,20 +142,27 @@ def xla_allreduce_scaled(x_flat32, axis, num_ranks: int, config: EchoConfig, fac
     return (y32 * (jnp.float32(1) / f)).astype(dtype)
 
 
+def _scaled(x_flat, axis, num_ranks, config, factor=None):
+    return xla_allreduce_scaled(x_flat, axis, num_ranks, config, factor)
+
+
 def allreduce(x_flat, axis, num_ranks: int, config: EchoConfig, factor=None):
-    """The transport interface's all-reduce: `xla_allreduce_scaled`.
+    """The transport interface's all-reduce: `xla_allreduce_scaled`, rotated with
+    config.rotation="hadamard" (`rotated_allreduce`, in JAX around it).
 
     Args:
       x_flat: [n] contribution (float32, bfloat16 or float16), already compensated.
       axis: the bound axis to reduce over; num_ranks: its size P.
-      config: bits, group size and policy.
-      factor: None, or the f32 power of two of the rescaling.
+      config: bits, group size, policy and rotation.
+      factor: None, or the f32 power of two of the rescaling (of the rotated values).
 
     Returns:
       [n] in x's dtype, identical on every rank.
     """
+    if config.rotation == "hadamard":
+        return rotated_allreduce(_scaled, x_flat, axis, num_ranks, config, factor)
     return xla_allreduce_scaled(x_flat, axis, num_ranks, config, factor)
 
 
-__all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "xla_allreduce",
-           "xla_allreduce_scaled"]
+__all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "fused_rotation",
+           "rotated_allreduce", "xla_allreduce", "xla_allreduce_scaled"]
