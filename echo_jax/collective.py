@@ -25,15 +25,16 @@ Rotation (`EchoConfig.rotation="hadamard"`): the compensated fp32 input is padde
 whole groups and every group is rotated by a fixed randomized Hadamard matrix (`echo_jax.rotation`)
 before step 1, and the sum is rotated back and cut to x's length after step 4, so one outlier
 channel no longer sets its group's scale. The compensator's apply and update steps stay in the
-original basis. Where the rotation runs is decided in one place, `fused_rotation`: inside the call
-where the chosen transport rotates by itself (`transports.has_fused_rotation`: the CPU custom call)
-and the call is not rescaled; x then enters the call as on the unrotated direct and fused paths,
-and a compensated call stays fused (apply, rotate, protocol, unrotate, update, all in the call).
-Otherwise (the "xla" transport, a transport without a fused rotation, or a rescaled call, whose
-factor has to come from the rotated values) it is plain JAX around the transport, which then gets
-the config with rotation="none" (`_rotated_allreduce_f32`, `transports.xla.rotated_allreduce`),
-and the compensator's steps run in JAX around it. Both give the same bits ("xla" == "p2p").
-Gradients are psum's on every path (straight-through).
+original basis; the rescaling's factor (from x, aiming sqrt(g) lower) multiplies x before the
+rotation and divides the sum after the inverse rotation. Where the rotation runs is decided in one
+place, `fused_rotation`: inside the call where the chosen transport rotates by itself
+(`transports.has_fused_rotation`: the CPU and CUDA custom calls); x then enters the call as on
+the unrotated direct and fused paths, and a compensated call stays fused (apply, scale, rotate,
+protocol, unrotate, unscale, update, all in the call). Otherwise (the "xla" transport, or a
+transport without a fused rotation for this config) it is plain JAX around the transport, which
+then gets the config with rotation="none" (`_rotated_allreduce_f32`,
+`transports.xla.rotated_allreduce`), and the compensator's steps run in JAX around it. Both give
+the same bits ("xla" == "p2p"). Gradients are psum's on every path (straight-through).
 
 Transports (`echo_jax.transports`): `transports.select` is the one choice of the transport a
 call runs ("xla", or the "p2p" custom call of the platform, CPU or CUDA).
@@ -157,17 +158,29 @@ def check_rescale(rescale, where="echo_psum"):
     raise ValueError(f"{where}: rescale must be True, False or 'auto', got {rescale!r}")
 
 
-def rescale_factor(x, axis, mode=True):
+def rotation_headroom_log2(config: EchoConfig) -> int:
+    """k such that the rescaling of a rotated call aims 2^k lower: ceil(log2(g) / 2) with
+    rotation="hadamard" (a rotated value is at most sqrt(g) max |x|), else 0."""
+    if config.rotation != "hadamard":
+        return 0
+    return (int(config.group_size).bit_length() - 1 + 1) // 2
+
+
+def rescale_factor(x, axis, mode=True, headroom_log2: int = 0):
     """Shared power-of-two factor of the rescaling (the Echo paper Sec. 5.4), f32 scalar.
 
     One scalar `pmax` of max |x| across the group. mode True: 2^k so that the group-wide max
-    lands in [256, 512); "auto": that factor only where the max is below AUTO_RESCALE_BELOW,
-    1 from it up. 1 when the max is 0 or not finite. Multiplying and dividing by it is exact.
+    lands in [256, 512) / 2^headroom_log2; "auto": that factor only where the max is below
+    AUTO_RESCALE_BELOW, 1 from it up. 1 when the max is 0 or not finite. Multiplying and
+    dividing by it is exact.
 
     Args:
       x: this rank's values (any float dtype; the max is taken in it, no fp32 copy of x).
       axis: the bound axis of the all-reduce.
       mode: True or "auto".
+      headroom_log2: aim this many powers of two lower (`rotation_headroom_log2`: the rotation
+        can raise a group's max by up to sqrt(g), so a rotated call keeps its rotated values
+        below 512 too).
     """
     # The factor is a constant of the derivative (a power of two chosen from the data): take it
     # from a stopped value, so that grad / jvp never differentiate the pmax (no rule for it).
@@ -175,7 +188,7 @@ def rescale_factor(x, axis, mode=True):
     local = jnp.max(jnp.abs(x)).astype(jnp.float32) if x.size else jnp.float32(0)
     amax = lax.pmax(local, axis)
     _, e = jnp.frexp(amax)
-    k = jnp.clip(9 - e, -120, 120)
+    k = jnp.clip(9 - int(headroom_log2) - e, -120, 120)
     ok = jnp.isfinite(amax) & (amax > 0)
     if mode == "auto":
         ok = ok & (amax < jnp.float32(AUTO_RESCALE_BELOW))
@@ -187,24 +200,21 @@ def power_of_two_scale(x32, axis):
     return rescale_factor(x32, axis, True)
 
 
-def fused_rotation(config: EchoConfig, transport=None, rescale=False) -> bool:
+def fused_rotation(config: EchoConfig, transport=None) -> bool:
     """Whether the rotation of a call with this config runs inside the transport's call.
 
-    The one place that decides it (`_echo_leaf` asks only here): config.rotation is "hadamard",
-    the call is not rescaled (`rescale is False`: the rescaling factor has to be taken from the
-    rotated values, so a rescaled rotated call keeps the rotation in JAX), and the transport
-    rotates by itself (`transports.has_fused_rotation`: the CPU custom call). Otherwise the
-    rotation runs in plain JAX around the transport, which gets rotation="none"; the bits are
-    the same.
+    The one place that decides it (`_echo_leaf` asks only here): config.rotation is "hadamard"
+    and the transport rotates by itself (`transports.has_fused_rotation`: the custom calls, the
+    CUDA one for g <= 1024). Otherwise the rotation runs in plain JAX around the transport, which
+    gets rotation="none"; the bits are the same. The rescaling does not matter: its factor comes
+    from x on every path and multiplies x before the rotation (`transports.xla.rotated_allreduce`).
 
     Args:
       config: the call's EchoConfig.
       transport: the transport module the call runs (`transports.select`); None: not known,
         so not fused.
-      rescale: echo_psum's rescale (False, True or "auto").
     """
-    rescale = check_rescale(rescale, "fused_rotation")
-    return (config.rotation == "hadamard" and rescale is False and transport is not None
+    return (config.rotation == "hadamard" and transport is not None
             and transports.has_fused_rotation(transport, config))
 
 
@@ -214,10 +224,10 @@ def fused_compensation(config: EchoConfig, rescale=False, transport=None) -> boo
     The one place that decides it (`_echo_leaf` asks only here): the fused calls (the CPU
     handler and the CUDA kernels) take an fp32 state only, and nothing may run in fp32 around
     them: with rotation="hadamard" only where the rotation is fused into the call too
-    (`fused_rotation(config, transport, rescale)`; a rotation in JAX around the call would hand
-    it rotated values, while the state lives in the original basis). The rescaling factor is an
+    (`fused_rotation(config, transport)`; a rotation in JAX around the call would hand it
+    rotated values, while the state lives in the original basis). The rescaling factor is an
     operand of the fused call (applied after the apply step, undone before the update, as
-    Sec. 5.4 orders them), so `rescale` does not unfuse an unrotated call. A bfloat16 state
+    Sec. 5.4 orders them), so `rescale` does not unfuse it. A bfloat16 state
     runs unfused on every transport: apply in JAX, the uncompensated transport, update in JAX.
     Whether a transport with a fused call runs at all is `transports.select`'s choice.
 
@@ -230,7 +240,7 @@ def fused_compensation(config: EchoConfig, rescale=False, transport=None) -> boo
     check_rescale(rescale, "fused_compensation")
     if config.state_dtype != "float32":
         return False
-    return config.rotation == "none" or fused_rotation(config, transport, rescale)
+    return config.rotation == "none" or fused_rotation(config, transport)
 
 
 def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
@@ -255,16 +265,17 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
         state = comp.to_varying_state(state, axis)
         m = comp.CompensatorState(jnp.ravel(state.m1), jnp.ravel(state.m2))
     transport = transports.select(config, axis, flat.shape[0])
-    # The rotation runs inside the call where the transport rotates by itself and the call is
-    # not rescaled (`fused_rotation`); else in JAX around the transport (`_rotated_allreduce_f32`,
-    # the compensator around it in JAX, so that its state stays in the original basis).
-    jax_rotation = config.rotation == "hadamard" and not fused_rotation(config, transport,
-                                                                        rescale)
-    # The rescaling factor comes from x itself (before the apply step), on every path but the
-    # JAX rotation's (from the rotated values there), so that the fused call needs no fp32 copy
-    # of x' in XLA: x' differs from x by the small correction, far inside the headroom the
-    # factor leaves (max |x| * factor < 512, fp16 holds 65504 * Q).
-    factor = None if (rescale is False or jax_rotation) else rescale_factor(flat, axis, rescale)
+    # The rotation runs inside the call where the transport rotates by itself (`fused_rotation`);
+    # else in JAX around the transport (`_rotated_allreduce_f32`, the compensator around it in
+    # JAX, so that its state stays in the original basis).
+    jax_rotation = config.rotation == "hadamard" and not fused_rotation(config, transport)
+    # The rescaling factor comes from x itself (before the apply step), on every path, so that
+    # the fused call needs no fp32 copy of x' in XLA: x' differs from x by the small correction,
+    # far inside the headroom the factor leaves (max |x| * factor < 512, fp16 holds 65504 * Q).
+    # With the rotation it aims sqrt(g) lower (a rotated value is at most sqrt(g) max |x|) and
+    # multiplies x before the rotation.
+    factor = None if rescale is False else rescale_factor(
+        flat, axis, rescale, rotation_headroom_log2(config))
     # A transport with a fused call is a custom call: nothing around it needs fp32 (`direct`),
     # a fused rotation included.
     direct = not jax_rotation and transports.has_fused_compensation(transport)
@@ -287,8 +298,8 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     if state is not None:
         x32 = comp.apply_correction(x32, m, k)
     if jax_rotation:
-        # In JAX around the unrotated transport: rotate, reduce, rotate back.
-        y32 = _rotated_allreduce_f32(x32, axis, num_ranks, config, rescale)
+        # In JAX around the unrotated transport: scale, rotate, reduce, rotate back, unscale.
+        y32 = _rotated_allreduce_f32(x32, factor, axis, num_ranks, config)
     else:
         y32 = _allreduce_f32(x32, factor, axis, num_ranks, config)
     y = y32.reshape(shape).astype(dtype)
@@ -301,35 +312,32 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     return y, comp.CompensatorState(new.m1.reshape(shape), new.m2.reshape(shape))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
-def _rotated_allreduce_f32(x_flat32, axis, num_ranks, config, rescale):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _rotated_allreduce_f32(x_flat32, factor, axis, num_ranks, config):
     """The quantized all-reduce in the rotated basis, returned in the original basis: the
     rotation in plain JAX around the transport (where `fused_rotation` is False).
 
-    x is padded with zeros to whole groups, so that every Hadamard block is exactly one
-    quantization group of the wire layout, and rotated (`transports.xla.rotated_allreduce`, the
-    one JAX definition, also the reference of the custom calls' fused rotation). With `rescale`
-    the shared power of two is taken from the rotated values (those the quantizer sees) and
-    divided out again before the inverse rotation; powers of two commute with the rotation, so
-    only the fp16 range changes. The sum comes from the configured transport (`_allreduce_f32`,
+    x times the factor (None: 1) is padded with zeros to whole groups, so that every Hadamard
+    block is exactly one quantization group of the wire layout, and rotated
+    (`transports.xla.rotated_allreduce`, the one JAX definition, also the reference of the custom
+    calls' fused rotation). The sum comes from the configured transport (`_allreduce_f32`,
     custom call included, with rotation="none" so that it does not rotate again), is rotated
-    back and cut to x's length.
+    back, divided by the factor and cut to x's length.
     """
 
     def reduce(xr, axis, num_ranks, plain, factor=None):
-        del factor  # rotated_allreduce passes none: it is taken from the rotated values here
-        f = None if rescale is False else rescale_factor(xr, axis, rescale)
-        return _allreduce_f32(xr, f, axis, num_ranks, plain)
+        return _allreduce_f32(xr, factor, axis, num_ranks, plain)
 
-    return rotated_allreduce(reduce, x_flat32, axis, num_ranks, config)
+    return rotated_allreduce(reduce, x_flat32, axis, num_ranks, config, factor)
 
 
 @_rotated_allreduce_f32.defjvp
-def _rotated_allreduce_f32_jvp(axis, num_ranks, config, rescale, primals, tangents):
+def _rotated_allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
     # Straight-through, as in `_allreduce_f32`: the rotation is orthogonal and linear and the
     # exact sum commutes with it, so the derivative is psum's exactly (not rotated round trips).
-    (x,), (t,) = primals, tangents
-    return _rotated_allreduce_f32(x, axis, num_ranks, config, rescale), lax.psum(t, axis)
+    # The factor is a constant of the derivative.
+    (x, factor), (t, _) = primals, tangents
+    return _rotated_allreduce_f32(x, factor, axis, num_ranks, config), lax.psum(t, axis)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
@@ -375,8 +383,9 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
         its group rather than flushing the others to zero); True: always, to max |x| in
         [256, 512); False: never (values below about 1e-5 lose precision silently, below 1e-12
         all of it). "auto" and True cost one read of x (its max) and one scalar pmax a call
-        (README "Failure behaviour"). With `config.rotation="hadamard"` the factor is taken from
-        the rotated values.
+        (README "Failure behaviour"). With `config.rotation="hadamard"` the factor aims
+        2^ceil(log2(g) / 2) lower (the rotation can raise a value by up to sqrt(g)) and
+        multiplies x before the rotation.
 
     Returns:
       The sum, shaped and typed like x; with `state`, the pair (sum, new_state).
@@ -403,5 +412,6 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
 
 __all__ = ["echo_psum", "xla_allreduce", "segment_layout", "resolve_transport",
            "fused_compensation", "fused_rotation", "power_of_two_scale", "rescale_factor",
+           "rotation_headroom_log2",
            "check_rescale", "xla_allreduce_scaled", "RESCALE_MODES", "AUTO_RESCALE_BELOW",
            "FORCE_XLA_ENV"]

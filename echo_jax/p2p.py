@@ -12,10 +12,10 @@ points:
   "xla" transport where it cannot (e.g. under vmap), unless `config.transport == "p2p"`, which
   raises instead. `config.transport == "xla"` does not stop them from running the custom call.
   `config.rotation == "hadamard"` rotates inside the custom call where it rotates by itself
-  (`transports.has_fused_rotation`, e.g. the CPU call; the compensated call stays fused) and no
-  factor is given, as `echo_psum` decides; otherwise in plain JAX around the unrotated call
-  (`transports.xla.rotated_allreduce`, the factor multiplying the rotated values, the
-  compensator steps in JAX around it too). The bits are the same either way.
+  (`transports.has_fused_rotation`; the compensated call stays fused), as `echo_psum` decides;
+  otherwise in plain JAX around the unrotated call (`transports.xla.rotated_allreduce`, the
+  factor multiplying x before the rotation, the compensator steps in JAX around it too). The
+  bits are the same either way.
 * `choose(config)` says which transport an `echo_psum` call with this config runs ("p2p" or
   "xla"), `unavailable_reason` and `limit_reason` why the custom call cannot run.
 """
@@ -63,16 +63,16 @@ def _select(where, axis, config, x_flat32, num_ranks):
                              where=where, honor_env=False)
 
 
-def _rotation_in_jax(transport, config, factor) -> bool:
-    """Whether this call's rotation runs in JAX around `transport`: it cannot rotate itself, or
-    the call is rescaled (as in `echo_psum`, which never hands a rotating call a factor)."""
+def _rotation_in_jax(transport, config) -> bool:
+    """Whether this call's rotation runs in JAX around `transport`: it cannot rotate itself
+    (`collective.fused_rotation`'s rule)."""
     return (getattr(config, "rotation", "none") == "hadamard"
-            and (factor is not None or not transports.has_fused_rotation(transport, config)))
+            and not transports.has_fused_rotation(transport, config))
 
 
 def _allreduce(transport, x_flat, axis, num_ranks, config, factor):
     """`transport.allreduce`, with the rotation in JAX around it where `_rotation_in_jax`."""
-    if _rotation_in_jax(transport, config, factor):
+    if _rotation_in_jax(transport, config):
         return _xla.rotated_allreduce(transport.allreduce, x_flat, axis, num_ranks, config,
                                       factor)
     return transport.allreduce(x_flat, axis, num_ranks, config, factor=factor)
@@ -92,8 +92,8 @@ def p2p_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=Non
       config: bits, group size, policy and rotation.
       factor: None, or the f32 power of two of the rescaling (the Echo paper Sec. 5.4): the
         call multiplies x by it on entry and divides the sum by it before the output, as
-        `echo_jax.collective.xla_allreduce_scaled` does (with the rotation: the rotated x,
-        and the sum before the inverse rotation).
+        `echo_jax.collective.xla_allreduce_scaled` does (with the rotation: x before the
+        rotation, and the sum after the inverse rotation).
 
     Returns:
       [n] in x's dtype, identical on every rank (typed like lax.psum's result): the fp32 sum
@@ -134,7 +134,7 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
                              "bfloat16 state unfused")
     transport = _select(where, axis, config, x_flat32, num_ranks)
     if (transports.has_fused_compensation(transport)
-            and not _rotation_in_jax(transport, config, factor)):
+            and not _rotation_in_jax(transport, config)):
         return transport.allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks,
                                                config, factor=factor)
     k = comp.Coefficients.from_config(config)

@@ -33,14 +33,14 @@
 // Rotation (attribute rotate = 1, EchoConfig.rotation = "hadamard"): every group of g values of
 // the padded layout that holds an element of x is rotated by the randomized Hadamard matrix
 // (echo::hadamard_rotate_group, the bit-exact form of echo_jax/rotation.py) where it is loaded,
-// after the apply step and before the factor, with the padding positions of a last partial group
-// at 0 before the rotation (they become nonzero and are quantized and summed like the others);
-// groups of pure padding stay 0, as the reference pads them after its rotation. The protocol then
-// runs in the rotated basis unchanged, and every dequantized group of the sum is divided by the
-// factor and rotated back before its first n values are stored and the state is updated (the
-// state stays in the original basis). Bit for bit the reference is the pure-JAX rotation around
-// the "xla" transport (echo_jax.transports.xla.rotated_allreduce): pad to whole groups, rotate,
-// times the factor, xla_allreduce, times 1 / factor, unrotate, cut to n.
+// after the apply step and the factor, with the padding positions of a last partial group at 0
+// before the rotation (they become nonzero and are quantized and summed like the others); groups
+// of pure padding stay 0, as the reference pads them after its rotation. The protocol then runs
+// in the rotated basis unchanged, and every dequantized group of the sum is rotated back and
+// divided by the factor before its first n values are stored and the state is updated (the state
+// stays in the original basis). Bit for bit the reference is the pure-JAX rotation around the
+// "xla" transport (echo_jax.transports.xla.rotated_allreduce): times the factor, pad to whole
+// groups, rotate, xla_allreduce, unrotate, times 1 / factor, cut to n.
 //
 // Flags, epochs and slot reuse
 // ----------------------------
@@ -809,10 +809,10 @@ inline void StoreY(const CallConfig& cfg, const RankIO& io, int64_t k, float v) 
 }
 
 // The g values of the group that starts at element k0 of the padded layout, as the quantizer
-// sees them: x + c (fused apply step) in the original units, 0 in the padding; with cfg.rotate
-// the group is then rotated if it holds an element of x (a group of pure padding stays 0, as in
-// the reference, which pads after its rotation); then the rescaling (the compensator runs
-// outside it, Sec. 5.4).
+// sees them: x + c (fused apply step) in the original units times the rescaling's factor (the
+// compensator runs outside it, Sec. 5.4), 0 in the padding; with cfg.rotate the group is then
+// rotated if it holds an element of x (a group of pure padding stays 0, as in the reference,
+// which pads after its rotation).
 inline void LoadGroup(const CallConfig& cfg, const RankIO& io, int64_t k0, float* v) {
   const int g = cfg.group_size;
   for (int t = 0; t < g; ++t) {
@@ -822,10 +822,10 @@ inline void LoadGroup(const CallConfig& cfg, const RankIO& io, int64_t k0, float
       continue;
     }
     const float x = LoadX(cfg, io, k);
-    v[t] = cfg.compensated ? echo::comp_apply(x, io.m1[k], io.m2[k], cfg.k) : x;
+    const float xp = cfg.compensated ? echo::comp_apply(x, io.m1[k], io.m2[k], cfg.k) : x;
+    v[t] = echo::mul_rn(xp, io.factor);
   }
   if (cfg.rotate && k0 < cfg.n) echo::hadamard_rotate_group(v, g, cfg.hadamard_f);
-  for (int t = 0; t < g; ++t) v[t] = echo::mul_rn(v[t], io.factor);
 }
 
 inline uint16_t* SlotParams(uint8_t* slot) { return reinterpret_cast<uint16_t*>(slot); }
@@ -851,8 +851,8 @@ void QuantizeSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8
 // Dequantizes the codes of segment `seg` into y (unpadded part, stored in y's dtype) and, for the
 // compensated call, runs the state update of those elements (the update step, inside the call)
 // with the fp32 sum, before its rounding to a 16-bit y. With cfg.rotate every group is decoded
-// whole (the padding positions of a last partial group included), divided by the factor and
-// rotated back before its first values are stored. `buf` holds g floats.
+// whole (the padding positions of a last partial group included) and rotated back before it is
+// divided by the factor and its first values are stored. `buf` holds g floats.
 void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t* slot,
                    std::vector<float>& buf) {
   const int g = cfg.group_size;
@@ -865,16 +865,14 @@ void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t
     const echo::DequantParams d =
         echo::dequant_params(params + gi * cfg.nparams, cfg.bits, cfg.policy);
     const uint8_t* gc = codes + gi * cfg.code_bytes;
-    // Back to the original units first: y and the state update never see the factor.
     const int decoded = cfg.rotate ? g : count;
-    for (int t = 0; t < decoded; ++t) {
-      buf[t] =
-          echo::mul_rn(echo::decode_value(echo::unpack_code(gc, t, cfg.bits), d), io.inv_factor);
-    }
+    for (int t = 0; t < decoded; ++t)
+      buf[t] = echo::decode_value(echo::unpack_code(gc, t, cfg.bits), d);
     if (cfg.rotate) echo::hadamard_unrotate_group(buf.data(), g, cfg.hadamard_f);
     for (int t = 0; t < count; ++t) {
       const int64_t k = k0 + t;
-      const float y = buf[t];
+      // Back to the original units: y and the state update never see the factor.
+      const float y = echo::mul_rn(buf[t], io.inv_factor);
       StoreY(cfg, io, k, y);
       if (cfg.compensated) {
         const float m1 = io.m1[k];  // read before writing: m1_out may alias m1

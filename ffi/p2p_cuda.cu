@@ -14,9 +14,9 @@
 // tail for the others), overlapped with the transfers of the other tiles, in place.
 // The rescaling's factor (Sec. 5.4; an f32[1] operand, 1 when not rescaled) multiplies x' in the
 // entry loads and divides y before its store and the state update (exact powers of two).
-// The Hadamard rotation (attribute rotate = 1; EchoConfig.rotation = "hadamard", never with a
-// factor other than 1) rotates every group after the entry loads (the own contribution in the
-// reduce stage too) and rotates the decoded sum back before the output and the state update:
+// The Hadamard rotation (attribute rotate = 1; EchoConfig.rotation = "hadamard") rotates every
+// group after the entry loads and the factor (the own contribution in the reduce stage too) and
+// rotates the decoded sum back before the factor is divided out, the output and the update:
 // push, reduce and gather run in the rotated basis, the state stays in the original one. The
 // reference is echo_jax.transports.xla.rotated_allreduce, bit for bit.
 //
@@ -62,8 +62,8 @@ namespace {
 
 constexpr int kMaxCudaRanks = 8;     // ranks of one group on one host (NVLink domain)
 constexpr int kThreads = 256;        // 8 warps per block: one group per warp at a time
-constexpr int kTileValues = 8192;    // values per tile at most (4 KiB of 4-bit codes); tuning:
-                                     // ECHO_JAX_P2P_TILE_VALUES
+constexpr int kTileValues = 8192;    // values per tile at most (4 KiB of 4-bit codes); the
+                                     // environment's ECHO_JAX_P2P_TILE_VALUES overrides it
 constexpr int kMinTilesPerSegment = 64;
 constexpr int kMaxTiles = 16384;     // flag words per (peer, stage) in a workspace
 constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce stage
@@ -429,16 +429,19 @@ struct RotatedGenericStages {
     for (int q = warp; q < count; q += warps) {
       const int64_t local = local0 + q;
       const int64_t e0 = (seg * a.seg_groups + first + q) * a.g;
-      for (int c = lane; c < a.g / VEC; c += kWarp) load_contrib<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
+      for (int c = lane; c < a.g / VEC; c += kWarp)
+        load_contrib<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
       rotate(b, a.g, lane, a.rot_scale, false);
       const QuantParams p = quantize_buffer(a, b, lane);
       if (lane == 0) {
-        uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset) + local * num_params(a.policy);
+        uint16_t* prm =
+            reinterpret_cast<uint16_t*>(slot + a.params_offset) + local * num_params(a.policy);
         prm[0] = p.s16;
         if (a.policy != kPolicySym) prm[1] = p.z16;
       }
       for (int c = lane; c < a.g / VEC; c += kWarp)
-        encode_chunk<VEC>(b + c * VEC, p, a.bits, a.policy, slot + local * cb + c * VEC * a.bits / 8);
+        encode_chunk<VEC>(b + c * VEC, p, a.bits, a.policy,
+                          slot + local * cb + c * VEC * a.bits / 8);
       __syncwarp();  // b is reused by the next group
     }
   }
@@ -451,7 +454,8 @@ struct RotatedGenericStages {
     for (int q = warp; q < count; q += warps) {
       const int64_t local = local0 + q;
       const int64_t e0 = (a.me * a.seg_groups + first + q) * a.g;
-      for (int c = lane; c < a.g / VEC; c += kWarp) load_contrib<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
+      for (int c = lane; c < a.g / VEC; c += kWarp)
+        load_contrib<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
       rotate(b, a.g, lane, a.rot_scale, false);  // the own contribution, rotated like the peers'
       for (int c = lane; c < a.g / VEC; c += kWarp) {  // sum in rank order, own value in place
         float acc[VEC];
@@ -476,8 +480,8 @@ struct RotatedGenericStages {
       __syncwarp();
       const QuantParams p = quantize_buffer(a, b, lane);
       if (lane < a.P) {  // the parameters go to every rank's gather slot for this owner
-        uint16_t* prm = reinterpret_cast<uint16_t*>(a.ws[lane] + gather_slot(a.me, a.P, a.slot_bytes) +
-                                                    a.params_offset) + local * np;
+        uint8_t* gather = a.ws[lane] + gather_slot(a.me, a.P, a.slot_bytes);
+        uint16_t* prm = reinterpret_cast<uint16_t*>(gather + a.params_offset) + local * np;
         prm[0] = p.s16;
         if (a.policy != kPolicySym) prm[1] = p.z16;
       }
@@ -495,7 +499,8 @@ struct RotatedGenericStages {
                                c * VEC * a.bits / 8, a.bits, codes);
       }
       rotate(b, a.g, lane, a.rot_scale, true);
-      for (int c = lane; c < a.g / VEC; c += kWarp) store_output<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
+      for (int c = lane; c < a.g / VEC; c += kWarp)
+        store_output<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
       __syncwarp();
     }
   }
@@ -510,11 +515,13 @@ struct RotatedGenericStages {
       const int64_t local = local0 + q;
       const int64_t e0 = (seg * a.seg_groups + first + q) * a.g;
       const DequantParams d = load_dequant_params(
-          reinterpret_cast<const uint16_t*>(slot + a.params_offset) + local * np, a.bits, a.policy);
+          reinterpret_cast<const uint16_t*>(slot + a.params_offset) + local * np, a.bits,
+          a.policy);
       for (int c = lane; c < a.g / VEC; c += kWarp)
         decode_chunk<VEC>(slot + local * cb + c * VEC * a.bits / 8, d, a.bits, b + c * VEC);
       rotate(b, a.g, lane, a.rot_scale, true);
-      for (int c = lane; c < a.g / VEC; c += kWarp) store_output<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
+      for (int c = lane; c < a.g / VEC; c += kWarp)
+        store_output<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
       __syncwarp();
     }
   }
@@ -552,7 +559,8 @@ struct FastStages {
   }
   __device__ static void setup() {
     if constexpr (ROT) {
-      if (threadIdx.x < kLanes) sign_masks()[threadIdx.x] = fast::hadamard_sign_mask<L>(threadIdx.x);
+      if (threadIdx.x < kLanes)
+        sign_masks()[threadIdx.x] = fast::hadamard_sign_mask<L>(threadIdx.x);
     }
   }
   __device__ static uint32_t sign_mask(int j) {
@@ -719,7 +727,8 @@ struct FastStages {
 
   // The reduce stage's end with the rotation: the codes of the rotated sum go to every rank's
   // gather slot, their decoded values are rotated back (all lanes: shuffles) before the stores.
-  __device__ static void reduce_rotated_output(const KernelArgs& a, const float (&acc)[kLoads][kVec],
+  __device__ static void reduce_rotated_output(const KernelArgs& a,
+                                               const float (&acc)[kLoads][kVec],
                                                const fast::Encoder& enc, uint32_t wire, bool valid,
                                                int64_t local, int64_t e0, int j, uint32_t sm) {
     const int64_t gather = gather_slot(a.me, a.P, a.slot_bytes);
@@ -846,8 +855,9 @@ struct FastStages {
       const bool valid = q < count;
       const int64_t local = local0 + q;
       const int64_t e0 = (seg * a.seg_groups + first + q) * G;
-      const DequantParams d = valid ? fast::decoder_of<BITS>(fast::load_wire(prm, local, a.policy), a.policy)
-                                    : DequantParams{0.0f, 0.0f};
+      const DequantParams d =
+          valid ? fast::decoder_of<BITS>(fast::load_wire(prm, local, a.policy), a.policy)
+                : DequantParams{0.0f, 0.0f};
       uint2 words[kLoads];
 #pragma unroll
       for (int k = 0; k < kLoads; ++k)
@@ -1118,7 +1128,8 @@ struct CallAttrs {
 
 LaunchPlan make_plan(const Group& grp, const CallAttrs& at, int64_t seg_groups, int resident) {
   LaunchPlan pl;
-  static const int64_t tile_values = std::max<int64_t>(1, env_int("ECHO_JAX_P2P_TILE_VALUES", kTileValues));
+  static const int64_t tile_values =
+      std::max<int64_t>(1, env_int("ECHO_JAX_P2P_TILE_VALUES", kTileValues));
   const int max_tg = static_cast<int>(std::max<int64_t>(1, tile_values / at.g));
   pl.tile_groups = static_cast<int>(std::clamp<int64_t>(
       (seg_groups + kMinTilesPerSegment - 1) / kMinTilesPerSegment, 1, max_tg));
@@ -1148,12 +1159,9 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
     std::lock_guard<std::mutex> lock(grp.mu);
     auto it = grp.plans.find(key);
     if (it == grp.plans.end()) {
-      // Tuning: ECHO_JAX_P2P_GRID_PERCENT of the resident blocks (default 100).
-      static const int64_t grid_percent =
-          std::clamp<int64_t>(env_int("ECHO_JAX_P2P_GRID_PERCENT", 100), 1, 100);
-      const int resident = static_cast<int>(std::max<int64_t>(
-          1, resident_blocks(reinterpret_cast<const void*>(kernel), grp.devices[rank]) *
-                 grid_percent / 100 / ranks_on_device));
+      const int resident = std::max(
+          1, resident_blocks(reinterpret_cast<const void*>(kernel), grp.devices[rank]) /
+                 ranks_on_device);
       it = grp.plans.emplace(key, make_plan(grp, at, seg_groups, resident)).first;
     }
     pl = it->second;

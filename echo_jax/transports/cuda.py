@@ -83,7 +83,7 @@ def register() -> None:
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 
 
-def _check(config: EchoConfig, num_ranks: int, where: str, factor=None):
+def _check(config: EchoConfig, num_ranks: int, where: str):
     if not 1 <= num_ranks <= MAX_RANKS:
         raise ValueError(f"{where}: the CUDA custom call supports 1..{MAX_RANKS} ranks per group, "
                          f"got {num_ranks}; use transport='xla'")
@@ -92,9 +92,6 @@ def _check(config: EchoConfig, num_ranks: int, where: str, factor=None):
             raise ValueError(f"{where}: the kernels rotate groups of at most {MAX_ROTATED_GROUP} "
                              f"values, got group_size={config.group_size}; echo_psum rotates "
                              "larger groups in JAX around the call")
-        if factor is not None:
-            raise ValueError(f"{where}: a rescaling factor with rotation='hadamard' must come from "
-                             "the rotated values; echo_psum runs that case in JAX around the call")
 
 
 def fused_rotation(config: EchoConfig) -> bool:
@@ -153,7 +150,7 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
     """
     register()
     num_ranks = x.shape[0]
-    _check(config, num_ranks, "virtual_allreduce", factor)
+    _check(config, num_ranks, "virtual_allreduce")
     flat = x.reshape(num_ranks, -1)
     y_type = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
     if state is None:
@@ -201,7 +198,7 @@ def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None, fact
     """One rank's Echo all-reduce on its GPU, inside shard_map (under `jax.set_mesh`); `factor`
     as in `virtual_allreduce` (the same on every rank: it comes from a pmax)."""
     register()
-    _check(config, num_ranks, "rank_allreduce", factor)
+    _check(config, num_ranks, "rank_allreduce")
     groups = mesh_groups(axis, num_ranks)
     if groups is None:
         raise ValueError("transport='p2p' on GPUs needs the concrete mesh: call inside "

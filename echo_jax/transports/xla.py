@@ -8,8 +8,7 @@ protocol is the one described in `echo_jax.collective`. It has no fused compensa
 Rotation: `allreduce` honours `config.rotation="hadamard"` with the rotation in plain JAX around
 the quantized all-reduce (`rotated_allreduce`, the reference of the custom calls' fused rotation).
 `fused_rotation` is False: nothing is fused here, so `echo_psum` keeps its own JAX rotation path
-for this transport (which also takes the rescaling factor from the rotated values) and hands it
-a config with rotation="none".
+for this transport and hands it a config with rotation="none".
 """
 
 from __future__ import annotations
@@ -59,19 +58,20 @@ def rotated_allreduce(allreduce_fn, x_flat, axis, num_ranks: int, config: EchoCo
                       factor=None):
     """The rotated all-reduce in plain JAX around an unrotated all-reduce (`allreduce_fn`).
 
-    x (widened to fp32 exactly) is padded with zeros to whole groups of g, every group is
-    rotated (`echo_jax.rotation.hadamard_rotate`), `allreduce_fn` sums the rotated values (times
-    `factor` before and 1 / factor after, inside it), the sum is rotated back, cut to n and
-    rounded to x's dtype. This is the definition the custom calls' fused rotation (attribute
-    rotate = 1) follows bit for bit.
+    x (widened to fp32 exactly) times `factor` (the rescaling's power of two, exact) is padded
+    with zeros to whole groups of g, every group is rotated (`echo_jax.rotation.hadamard_rotate`),
+    `allreduce_fn` sums the rotated values, the sum is rotated back, times 1 / factor (exact),
+    cut to n and rounded to x's dtype. This is the definition the custom calls' fused rotation
+    (attribute rotate = 1, the factor operand applied on entry and exit) follows bit for bit.
 
     Args:
       allreduce_fn: a transport's `allreduce` (x_flat, axis, num_ranks, config, factor=...); it
-        gets `config` with rotation="none" and an fp32 [ceil(n / g) * g] contribution.
+        gets `config` with rotation="none", no factor and an fp32 [ceil(n / g) * g] contribution.
       x_flat: [n] contribution (float32, bfloat16 or float16), already compensated.
       axis, num_ranks: the bound axis and its size P.
       config: bits, group size (a power of two) and policy; its rotation is ignored.
-      factor: None, or the f32 power of two of the rescaling, applied to the rotated values.
+      factor: None, or the f32 power of two of the rescaling (`collective.rescale_factor` of x,
+        with the rotation's headroom).
 
     Returns:
       [n] in x's dtype, identical on every rank.
@@ -80,10 +80,16 @@ def rotated_allreduce(allreduce_fn, x_flat, axis, num_ranks: int, config: EchoCo
     g = config.group_size
     n = x_flat.shape[0]
     padded = -(-max(n, 1) // g) * g
-    xr = rot.hadamard_rotate(jnp.pad(x_flat.astype(jnp.float32), (0, padded - n)), g)
+    x32 = x_flat.astype(jnp.float32)
+    if factor is not None:
+        f = jnp.asarray(factor, jnp.float32).reshape(())
+        x32 = x32 * f
+    xr = rot.hadamard_rotate(jnp.pad(x32, (0, padded - n)), g)
     plain = config if config.rotation == "none" else config.replace(rotation="none")
-    yr = allreduce_fn(xr, axis, num_ranks, plain, factor=factor)
-    return rot.hadamard_unrotate(yr, g)[:n].astype(dtype)
+    y32 = rot.hadamard_unrotate(allreduce_fn(xr, axis, num_ranks, plain, factor=None), g)[:n]
+    if factor is not None:
+        y32 = y32 * (jnp.float32(1) / f)
+    return y32.astype(dtype)
 
 
 def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
@@ -154,7 +160,8 @@ def allreduce(x_flat, axis, num_ranks: int, config: EchoConfig, factor=None):
       x_flat: [n] contribution (float32, bfloat16 or float16), already compensated.
       axis: the bound axis to reduce over; num_ranks: its size P.
       config: bits, group size, policy and rotation.
-      factor: None, or the f32 power of two of the rescaling (of the rotated values).
+      factor: None, or the f32 power of two of the rescaling (with the rotation: applied
+        before it and undone after the inverse rotation).
 
     Returns:
       [n] in x's dtype, identical on every rank.

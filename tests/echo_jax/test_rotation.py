@@ -200,7 +200,9 @@ def test_compensator_state_semantics_in_the_original_basis():
 
 
 @needs_call
-def test_p2p_with_rotation_runs_the_unfused_call():
+def test_p2p_with_rotation_runs_the_fused_call():
+    # The default rescale="auto" too: the factor comes from x, so the rotation, the compensator
+    # and the protocol all stay in the one custom call.
     mesh = make_mesh((4,), ("tp",))
     cfg = ej.EchoConfig(rotation="hadamard", transport="p2p")
 
@@ -210,10 +212,10 @@ def test_p2p_with_rotation_runs_the_unfused_call():
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=(P("tp"), P("tp"))))
     hlo = f.lower(put(jnp.ones((4, 4096)), mesh, P("tp"))).compile().as_text()
-    assert p2p.TARGET in hlo and p2p.TARGET_COMPENSATED not in hlo
+    assert p2p.TARGET_COMPENSATED in hlo and "rotate = 1" in hlo
     for op in ("all-to-all(", "all-gather("):
         assert op not in hlo
-    # Only the default rescaling's scalar pmax (of the rotated values) is an all-reduce.
+    # Only the default rescaling's scalar pmax (of x) is an all-reduce.
     reduces = [ln for ln in hlo.splitlines() if "all-reduce(" in ln]
     assert len(reduces) == 1 and "f32[] " in reduces[0], reduces
 
@@ -294,7 +296,8 @@ def test_rescale_with_rotation_handles_tiny_and_huge_magnitudes():
         y = np.asarray(run_shard_map(x * scale, cfg, rescale=True))
         exact = np.asarray(x).sum(0) * scale
         np.testing.assert_allclose(y[0], exact, rtol=0, atol=0.03 * np.abs(exact).max())
-    # A power-of-two factor commutes with the rotation: only the fp16 range changes.
+    # The factor comes from x and multiplies it before the rotation: scaling x by a power of two
+    # scales the result by it exactly.
     assert_same_bits(run_shard_map(x * 2.0 ** 10, cfg, rescale=True),
                      run_shard_map(x, cfg, rescale=True) * 2.0 ** 10)
     assert_same_bits(run_vmap(x, cfg, rescale=True), run_shard_map(x, cfg, rescale=True))
