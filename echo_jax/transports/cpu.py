@@ -14,8 +14,8 @@ randomized Hadamard matrix after the apply step, the protocol runs in the rotate
 group of the sum is rotated back before it is stored and the state is updated (in the original
 basis). The bits are those of `echo_jax.transports.xla.rotated_allreduce` (pad to whole groups,
 `rotation.hadamard_rotate`, the all-reduce, `rotation.hadamard_unrotate`, cut) around the same
-compensator steps; `fused_rotation` says so to `echo_psum`. A rescaling factor multiplies the
-rotated values (and divides the sum before the inverse rotation), as in that reference.
+compensator steps; `fused_rotation` says so to `echo_psum`. A rescaling factor multiplies x
+before the rotation (and divides the sum after the inverse rotation), as in that reference.
 
 On CPU (ffi/echo_allreduce_cpu.cc) the handler is asynchronous: each rank's call returns a
 future to XLA and runs push / reduce / gather / tail on a host thread of its own, the ranks meeting

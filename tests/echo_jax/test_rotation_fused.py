@@ -340,9 +340,9 @@ def test_explicit_p2p_functions_with_rotation(rescaled):
 
 @needs_call
 def test_cpu_call_rotates_with_a_factor():
-    """The CPU handler also defines rotate = 1 with a factor (echo_psum never sends it, the
-    transport's own functions may): the factor multiplies the rotated values and divides the
-    sum before the inverse rotation, the bits of `xla.allreduce` with the same arguments."""
+    """The transport's own function with rotate = 1 and a factor: the factor multiplies x
+    before the rotation and divides the sum after the inverse rotation, the bits of
+    `xla.allreduce` with the same arguments."""
     nranks, g, n = 2, 64, 300
     cfg = ej.EchoConfig(bits=8, group_size=g, rotation="hadamard")
     mesh = make_mesh((nranks,), ("tp",))
