@@ -383,3 +383,22 @@ def test_fused_output_is_close_to_the_exact_sum(bits, tol):
     assert err0 > 0 and err != err0
     if bits == 4:
         assert err < err0, (err, err0)
+
+
+@needs_call
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bfloat16_state_with_the_rotation_in_the_call(dtype):
+    """A bfloat16 state runs unfused (apply and update in JAX) around the uncompensated call,
+    which still rotates itself (rotate = 1), with the xla transport's bits (y and state)."""
+    nranks, g, n = 3, 64, 500
+    cfg = ej.EchoConfig(rotation="hadamard", transport="p2p", group_size=g,
+                        state_dtype="bfloat16")
+    x = make_inputs(nranks, n, g, dtype, "plain", seed=9)
+    got, hlo = run(cfg, x)
+    want, _ = run(cfg.replace(transport="xla"), x)
+    calls = custom_calls(hlo)
+    assert len(calls) == 1 + STEPS and all("rotate = 1 : i64" in c for c in calls), calls
+    assert not any(cpu.TARGET_COMPENSATED in c for c in calls)
+    assert got[2].dtype == np.dtype(jnp.bfloat16)
+    for name, a, b in zip(["y", "y_t", "m1", "m2"], got, want):
+        assert_same_bits(a, b, name)
