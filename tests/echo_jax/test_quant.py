@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from echo_jax import quant
@@ -53,12 +53,22 @@ def test_roundtrip_error_within_step(bits, policy, dist):
        .filter(lambda v: len(v) % 2 == 0),
        st.sampled_from(POLICIES), st.sampled_from([4, 8]))
 @settings(max_examples=150, deadline=None)
+# A group that straddles zero only through an fp32 subnormal (found by this test in CI).
+@example(values=[5.605193857299268e-45, -1.0], policy="asym", bits=4)
 def test_roundtrip_property(values, policy, bits):
     x = np.asarray(values, np.float32)[None]
     xh, packed, params = roundtrip(x, bits, policy)
     s = float(step_of(params)[0, 0])
     assert s <= float(max_scale(x, bits, policy)[0])
     tol = element_error_bound(x, bits, policy)
+    if jax.default_backend() == "cpu":
+        # XLA's CPU runtime flushes fp32 subnormals to zero, inputs included: the quantizer
+        # sees the group with its subnormals as 0 (a group that straddled zero only through a
+        # subnormal is one-sided there), and a subnormal's error is its flush, |x|, on top.
+        # The CUDA kernels do not flush; such groups are not yet quantized alike on both.
+        sub = np.abs(x) < np.finfo(np.float32).tiny
+        seen = np.where(sub, np.float32(0), x)
+        tol = element_error_bound(seen, bits, policy) + np.where(sub, np.abs(x), 0.0)
     if x.min() == x.max():  # constant group: exact when the value is an fp16 number
         assert np.all(xh == np.float32(np.float16(x[0, 0])))
     else:
