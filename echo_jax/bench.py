@@ -58,7 +58,7 @@ from echo_jax._cli import (SIZE_ALIASES, format_size, parse_size,  # noqa: F401 
 
 #: Rows of `bench allreduce`, in the order they are run and printed.
 ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-rot", "p2p4-rescale", "p2p4-comp-unfused",
-        "p2p4-comp-fused", "p2p4-comp-fused-rot")
+        "p2p4-comp-fused", "p2p4-comp-fused-bf16state", "p2p4-comp-fused-rot")
 
 ROW_LABELS = {
     "psum": "lax.psum (16-bit baseline)",
@@ -69,6 +69,7 @@ ROW_LABELS = {
     "p2p4-rescale": "4-bit, rescale='auto' (echo_psum's default: max |x| + scalar pmax)",
     "p2p4-comp-unfused": "4-bit + compensator as separate ops",
     "p2p4-comp-fused": "4-bit + compensator fused",
+    "p2p4-comp-fused-bf16state": "4-bit + compensator fused, bf16 state (state_dtype='bfloat16')",
     "p2p4-rot": "4-bit, Hadamard rotation (rotation='hadamard')",
     "p2p4-comp-fused-rot": "4-bit + compensator fused, Hadamard rotation",
 }
@@ -220,6 +221,7 @@ def _configs():
             "p2p8": ej.EchoConfig(bits=8, transport="p2p"),
             "p2p4": ej.EchoConfig(bits=4, transport="p2p"),
             "comp": ej.EchoConfig(bits=4, transport="p2p"),
+            "comp-bf16state": ej.EchoConfig(bits=4, transport="p2p", state_dtype="bfloat16"),
             "p2p4-rot": ej.EchoConfig(bits=4, transport="p2p", rotation="hadamard")}
 
 
@@ -227,8 +229,9 @@ def _mesh_rows(mesh, ranks: int):
     """Per-row functions of global [P, n] inputs under jax.shard_map (one rank per device).
 
     Returns:
-      dict row -> (fn, compensated): fn maps x (or (x, m1, m2) when compensated) to the per-rank
-      results stacked [P, ...] (and the new states).
+      dict row -> (fn, state): fn maps x (or (x, m1, m2) when compensated) to the per-rank
+      results stacked [P, ...] (and the new states); state is None for an uncompensated row,
+      else the dtype name of its m1, m2.
     """
     cfgs = _configs()
     k = comp.Coefficients.from_config(cfgs["comp"])
@@ -259,15 +262,17 @@ def _mesh_rows(mesh, ranks: int):
                               state=comp.CompensatorState(m1[0], m2[0]), rescale=False)
         return y[None], new.m1[None], new.m2[None]
 
-    rows = {"psum": (wrap(lambda x: lax.psum(x[0], "tp")[None], 1, 1), False)}
+    rows = {"psum": (wrap(lambda x: lax.psum(x[0], "tp")[None], 1, 1), None)}
     for name in ("xla8", "xla4", "p2p8", "p2p4", "p2p4-rot"):
-        rows[name] = (plain(cfgs[name]), False)
-    rows["p2p4-rescale"] = (plain(cfgs["p2p4"], "auto"), False)
+        rows[name] = (plain(cfgs[name]), None)
+    rows["p2p4-rescale"] = (plain(cfgs["p2p4"], "auto"), None)
     f_unfused, f_fused = wrap(unfused, 3, 3), wrap(fused, 3, 3)
     f_fused_rot = wrap(functools.partial(fused, cfg=cfgs["p2p4-rot"]), 3, 3)
-    rows["p2p4-comp-unfused"] = (lambda v: f_unfused(*v), True)
-    rows["p2p4-comp-fused"] = (lambda v: f_fused(*v), True)
-    rows["p2p4-comp-fused-rot"] = (lambda v: f_fused_rot(*v), True)
+    f_fused_bf16 = wrap(functools.partial(fused, cfg=cfgs["comp-bf16state"]), 3, 3)
+    rows["p2p4-comp-unfused"] = (lambda v: f_unfused(*v), "float32")
+    rows["p2p4-comp-fused"] = (lambda v: f_fused(*v), "float32")
+    rows["p2p4-comp-fused-bf16state"] = (lambda v: f_fused_bf16(*v), "bfloat16")
+    rows["p2p4-comp-fused-rot"] = (lambda v: f_fused_rot(*v), "float32")
     return rows
 
 
@@ -293,22 +298,25 @@ def _virtual_rows(ranks: int):
         y, new = p2p_cuda.virtual_allreduce(x, cfg, comp.CompensatorState(m1, m2))
         return y, new.m1, new.m2
 
-    rows = {"psum": (vmapped(lambda r: lax.psum(r, "tp")), False)}
+    rows = {"psum": (vmapped(lambda r: lax.psum(r, "tp")), None)}
     for name in ("xla8", "xla4"):
         rows[name] = (vmapped(lambda r, c=cfgs[name]: ej.echo_psum(r, "tp", config=c,
-                                                                   rescale=False)), False)
+                                                                   rescale=False)), None)
     for name in ("p2p8", "p2p4", "p2p4-rot"):
-        rows[name] = (jax.jit(lambda v, c=wire[name]: p2p_cuda.virtual_allreduce(v, c)), False)
+        rows[name] = (jax.jit(lambda v, c=wire[name]: p2p_cuda.virtual_allreduce(v, c)), None)
 
     def rescaled(v):
         # echo_psum's default: the factor from max |x| and a pmax over the ranks, then the call.
         f = jax.vmap(lambda r: collective.rescale_factor(r, "tp", "auto"), axis_name="tp")(v)
         return p2p_cuda.virtual_allreduce(v, wire["p2p4"], factor=f[0])
 
-    rows["p2p4-rescale"] = (jax.jit(rescaled), False)
-    rows["p2p4-comp-unfused"] = (jax.jit(unfused), True)
-    rows["p2p4-comp-fused"] = (jax.jit(fused), True)
-    rows["p2p4-comp-fused-rot"] = (jax.jit(functools.partial(fused, cfg=wire["p2p4-rot"])), True)
+    rows["p2p4-rescale"] = (jax.jit(rescaled), None)
+    rows["p2p4-comp-unfused"] = (jax.jit(unfused), "float32")
+    rows["p2p4-comp-fused"] = (jax.jit(fused), "float32")
+    rows["p2p4-comp-fused-bf16state"] = (
+        jax.jit(functools.partial(fused, cfg=wire["comp-bf16state"])), "bfloat16")
+    rows["p2p4-comp-fused-rot"] = (jax.jit(functools.partial(fused, cfg=wire["p2p4-rot"])),
+                                   "float32")
     return rows
 
 
@@ -372,12 +380,14 @@ def bench_allreduce(args) -> dict:
 
         check = jax.jit(_compare)
         example = jax.ShapeDtypeStruct((ranks, 1024), dtype, sharding=sharding)
-        example_c = (example, jax.ShapeDtypeStruct((ranks, 1024), jnp.float32, sharding=sharding),
-                     jax.ShapeDtypeStruct((ranks, 1024), jnp.float32, sharding=sharding))
+        def example_c(state_dtype):
+            m = jax.ShapeDtypeStruct((ranks, 1024), state_dtype, sharding=sharding)
+            return (example, m, m)
+
         for name in wanted:
-            fn, compensated = table[name]
-            reason = _row_unavailable(name, fn, example_c if compensated else example,
-                                      args.virtual)
+            fn, state_dtype = table[name]
+            reason = _row_unavailable(name, fn, example if state_dtype is None
+                                      else example_c(state_dtype), args.virtual)
             if reason is not None:
                 unavailable[name] = reason
                 print(f"note: row {name} cannot run here: {reason}", file=sys.stderr)
@@ -414,12 +424,15 @@ def bench_allreduce(args) -> dict:
             for name in wanted:
                 if name in unavailable:
                     continue
-                fn, compensated = table[name]
-                inp = (x, m1, m2) if compensated else x
+                fn, state_dtype = table[name]
+                compensated = state_dtype is not None
+                # A bf16-state row starts from the same state, rounded (outside the timing).
+                st = [a.astype(state_dtype) for a in (m1, m2, zeros)] if compensated else None
+                inp = (x, st[0], st[1]) if compensated else x
                 stats = time_op_stats(fn, inp, args.iters, args.repeats, args.warmup,
                                       carry_state=compensated)
                 out = fn(inp)
-                y = fn((x, zeros, zeros))[0] if compensated else out
+                y = fn((x, st[2], st[2]))[0] if compensated else out
                 if ref is None:
                     ref = y  # the psum row runs first
                 err, identical = (float(v) for v in check(y, ref))
@@ -477,8 +490,9 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     (`projection.wire_bytes_per_element`, g = 128, asym): x is read once and y written once (2 itemsize);
     the codes are written by the push ((P-1)/P of the message), read by the owners' reduce
     ((P-1)/P), written by the gather into every rank's slot (1) and read by the tail ((P-1)/P):
-    w (3 (P-1)/P + 1). The compensated rows add the fp32 state: m1, m2 read where x' is formed,
-    x, m1, m2 read again and m1, m2 written where y is produced (24 + itemsize). The rescaled
+    w (3 (P-1)/P + 1). The compensated rows add the state: m1, m2 read where x' is formed,
+    x, m1, m2 read again and m1, m2 written where y is produced (6 s + itemsize for an s-byte
+    state value: 24 + itemsize in fp32, 12 + itemsize in bf16). The rescaled
     row reads x once more for its max (itemsize). psum (a local reduction of the P rows under
     vmap here) reads and writes each row once. The "xla" rows run
     the same protocol, so their floor is the p2p row's of equal bits.
@@ -489,7 +503,7 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     w = projection.wire_bytes_per_element(bits)
     per_element = 2 * itemsize + w * (3 * (ranks - 1) / ranks + 1)
     if "comp" in row:
-        per_element += 24 + itemsize
+        per_element += 6 * (2 if row.endswith("bf16state") else 4) + itemsize
     if "rescale" in row:
         per_element += itemsize
     return int(round(per_element * n * ranks))

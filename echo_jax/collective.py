@@ -40,11 +40,12 @@ Transports (`echo_jax.transports`): `transports.select` is the one choice of the
 call runs ("xla", or the "p2p" custom call of the platform, CPU or CUDA).
 
 Fused or unfused compensation (decided in one place, `fused_compensation`): a transport with a
-fused call (`allreduce_compensated`: the custom calls) fuses the apply and update steps only for
-an fp32 state, and with the rotation only where the rotation is fused into the call too (the
-rescaling factor is an operand of the fused call). Otherwise (a bfloat16 state, a rotation in
-JAX, or the "xla" transport) the apply step, the uncompensated transport and the update run one
-after the other in JAX, so "xla" and "p2p" give the same bits for a bfloat16 state too.
+fused call (`allreduce_compensated`: the custom calls) fuses the apply and update steps for the
+state dtypes its call takes (`transports.fused_state_dtypes`: fp32 and bfloat16 on the CPU and
+CUDA calls), and with the rotation only where the rotation is fused into the call too (the
+rescaling factor is an operand of the fused call). Otherwise (a state dtype the call does not
+take, a rotation in JAX, or the "xla" transport) the apply step, the uncompensated transport and
+the update run one after the other in JAX; "xla" and "p2p" give the same bits either way.
 
 Size gate: a contribution of fewer than `EchoConfig.min_bytes` bytes per rank (each array of a
 pytree decided on its own, statically from its shape and dtype) is summed by `lax.psum` instead,
@@ -227,18 +228,21 @@ def fused_compensation(config: EchoConfig, rescale=False, transport=None) -> boo
     (`fused_rotation(config, transport)`; a rotation in JAX around the call would hand it
     rotated values, while the state lives in the original basis). The rescaling factor is an
     operand of the fused call (applied after the apply step, undone before the update, as
-    Sec. 5.4 orders them), so `rescale` does not unfuse it. A bfloat16 state
-    runs unfused on every transport: apply in JAX, the uncompensated transport, update in JAX.
-    Whether a transport with a fused call runs at all is `transports.select`'s choice.
+    Sec. 5.4 orders them), so `rescale` does not unfuse it. An fp32 state fuses on every
+    transport with a fused call; another state dtype only where the transport's call takes it
+    (`transports.fused_state_dtypes`: bfloat16 on the CUDA and CPU calls), else it runs unfused:
+    apply in JAX, the uncompensated transport, update in JAX (the same bits). Whether a
+    transport with a fused call runs at all is `transports.select`'s choice.
 
     Args:
       config: the call's EchoConfig.
       rescale: echo_psum's rescale (False, True or "auto").
-      transport: the transport module the call runs; needed only with the rotation (None:
-        not known, so a rotated call is not fused).
+      transport: the transport module the call runs; needed with the rotation or a state dtype
+        other than fp32 (None: not known, so such a call is not fused).
     """
     check_rescale(rescale, "fused_compensation")
-    if config.state_dtype != "float32":
+    if config.state_dtype != "float32" and (
+            transport is None or config.state_dtype not in transports.fused_state_dtypes(transport)):
         return False
     return config.rotation == "none" or fused_rotation(config, transport)
 
@@ -290,7 +294,8 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
         # rotates); m1/m2 are updated in place.
         y, m1, m2 = _fused_allreduce_f32(flat, m.m1, m.m2, factor, axis, num_ranks, config)
         return y.reshape(shape), comp.CompensatorState(m1.reshape(shape), m2.reshape(shape))
-    # Unfused (the xla transport; or a custom call with a bfloat16 state or a rotation in JAX):
+    # Unfused (the xla transport; or a custom call with a state dtype it does not take or a
+    # rotation in JAX):
     # apply, the uncompensated transport (rescaled and, with a fused rotation, rotated inside),
     # update, in JAX.
     x32 = flat.astype(jnp.float32)

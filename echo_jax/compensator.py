@@ -23,8 +23,8 @@ nearest even) when stored: x, y and u are never rounded, only the stored state. 
 `lax.reduce_precision` to 8 exponent / 7 mantissa bits followed by the (then exact) conversion,
 so XLA cannot drop it even where it allows excess precision (it may remove a convert pair
 f32 -> bf16 -> f32). With "float32" nothing is rounded and every bit is as before. The fused
-custom call takes an fp32 state only: `echo_jax.collective` runs a bfloat16 state unfused (apply
-and update in JAX around the uncompensated transport), so every transport gives the same bits.
+custom calls (CPU handler, CUDA kernels) take a bfloat16 state too and do the same in C++ (widen
+on load, round to nearest even on store), so every transport gives the same bits.
 """
 
 from __future__ import annotations

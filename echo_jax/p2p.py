@@ -113,27 +113,30 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     `comp.apply_correction` + `xla_allreduce` + `comp.update_state` on x.astype(f32), the sum
     then cast to x's dtype (which is what runs where the custom call cannot). With
     config.rotation="hadamard" the sum is the rotated one (`p2p_allreduce`) and the state stays
-    in the original basis; the call stays fused where it rotates by itself.
+    in the original basis; the call stays fused where it rotates by itself. A bfloat16 state
+    (config.state_dtype="bfloat16") is fused where the transport's call takes one
+    (`transports.fused_state_dtypes`), else apply and update run in JAX around the call.
 
     Args:
       x_flat32: [n] contribution before correction, float32, bfloat16 or float16 (passed to the
         call as it is).
-      m1_flat, m2_flat: fp32 [n], the flattened CompensatorState.
+      m1_flat, m2_flat: [n] in config.state_dtype, the flattened CompensatorState.
       axis, num_ranks, config, factor: as `p2p_allreduce`; the factor multiplies x' (after the
         apply step) and divides the sum before the update, so the state stays in x's units.
 
     Returns:
-      (y [n] in x's dtype, identical on every rank, m1_new fp32 [n], m2_new fp32 [n]); the state
-      is updated with the fp32 sum, before its rounding to x's dtype.
+      (y [n] in x's dtype, identical on every rank, m1_new [n], m2_new [n] in the state's
+      dtype); the state is updated with the fp32 sum, before its rounding to x's dtype.
     """
     where = "p2p_allreduce_compensated"
+    if not isinstance(config, EchoConfig):
+        raise ValueError(f"{where}: config must be an EchoConfig, got {type(config).__name__}")
     for name, m in (("m1_flat", m1_flat), ("m2_flat", m2_flat)):
-        if jnp.result_type(m) != jnp.float32:
-            raise ValueError(f"{where}: {name} must be float32 (the fused call takes an fp32 "
-                             f"state only), got {jnp.result_type(m)}; echo_psum runs a "
-                             "bfloat16 state unfused")
+        if jnp.result_type(m) != jnp.dtype(config.state_dtype):
+            raise ValueError(f"{where}: {name} must be {config.state_dtype} "
+                             f"(EchoConfig.state_dtype), got {jnp.result_type(m)}")
     transport = _select(where, axis, config, x_flat32, num_ranks)
-    if (transports.has_fused_compensation(transport)
+    if (config.state_dtype in transports.fused_state_dtypes(transport)
             and not _rotation_in_jax(transport, config)):
         return transport.allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks,
                                                config, factor=factor)

@@ -22,8 +22,9 @@
 // needs no fp32 copy in XLA around the call. Every load widens x to fp32 exactly, the protocol
 // runs in fp32, and the final store rounds the fp32 sum to y's dtype to nearest even, bit for bit
 // as XLA's convert does (ffi/echo_common.h): the bits of
-// xla_allreduce(x.astype(f32)).astype(dtype). The compensated call's state m1, m2 is fp32 and is
-// updated with the fp32 sum, before its rounding.
+// xla_allreduce(x.astype(f32)).astype(dtype). The compensated call's state m1, m2 is fp32 or
+// bf16 (EchoConfig.state_dtype; widened exactly on load, the update in fp32 rounded to nearest
+// even on store) and is updated with the fp32 sum, before its rounding.
 //
 // Rescaling (the Echo paper Sec. 5.4): the factor operand, a power of two shared by the ranks,
 // multiplies x' (after the apply step) where it is loaded and divides the fp32 sum before it is
@@ -170,7 +171,7 @@ constexpr int64_t kFailTail = 2;      // the rank fails after its tail: its peer
 // -------------------------------------------------------------------------------------------
 
 struct CallConfig {
-  ffi::DataType dtype;  // of x and y: F32, BF16 or F16 (the state m1, m2 is always F32)
+  ffi::DataType dtype;  // of x and y: F32, BF16 or F16 (the state m1, m2: see RankIO)
   int num_ranks;
   int bits;
   int group_size;
@@ -772,14 +773,30 @@ Error_Type WaitFlag(const WaitSite& w, int peer, int64_t target, const char* sta
 // Views of one rank's operands.
 struct RankIO {
   const void* x;     // cfg.dtype: float, or the uint16 bits of a bf16 / fp16
-  const float* m1;   // compensated only
-  const float* m2;
+  const void* m1;    // compensated only: float, or the uint16 bits of bf16 (state_bf16)
+  const void* m2;
   void* y;           // cfg.dtype, like x
-  float* m1_out;     // may alias m1 (input_output_aliases)
-  float* m2_out;
+  void* m1_out;      // m1's dtype; may alias m1 (input_output_aliases)
+  void* m2_out;
   float factor;      // the shared power of two of the rescaling (Sec. 5.4); 1 when not rescaled
   float inv_factor;  // 1 / factor (exact: a power of two)
+  bool state_bf16;   // EchoConfig.state_dtype = "bfloat16"
 };
+
+// Element k of a state array (m1 or m2) in fp32: a bf16 state is widened exactly.
+inline float LoadState(const RankIO& io, const void* m, int64_t k) {
+  return io.state_bf16 ? echo::bf16_to_f32(static_cast<const uint16_t*>(m)[k])
+                       : static_cast<const float*>(m)[k];
+}
+
+// Stores an fp32 state value as element k; a bf16 state rounds to nearest even (the
+// reference's reduce_precision + convert; only the stored state is rounded).
+inline void StoreState(const RankIO& io, void* m, int64_t k, float v) {
+  if (io.state_bf16)
+    static_cast<uint16_t*>(m)[k] = echo::f32_to_bf16(v);
+  else
+    static_cast<float*>(m)[k] = v;
+}
 
 // Element k of x in fp32 (exact for each of the three dtypes: the x.astype(f32) of the reference).
 inline float LoadX(const CallConfig& cfg, const RankIO& io, int64_t k) {
@@ -822,7 +839,9 @@ inline void LoadGroup(const CallConfig& cfg, const RankIO& io, int64_t k0, float
       continue;
     }
     const float x = LoadX(cfg, io, k);
-    const float xp = cfg.compensated ? echo::comp_apply(x, io.m1[k], io.m2[k], cfg.k) : x;
+    const float xp = cfg.compensated
+                         ? echo::comp_apply(x, LoadState(io, io.m1, k), LoadState(io, io.m2, k), cfg.k)
+                         : x;
     v[t] = echo::mul_rn(xp, io.factor);
   }
   if (cfg.rotate && k0 < cfg.n) echo::hadamard_rotate_group(v, g, cfg.hadamard_f);
@@ -875,10 +894,13 @@ void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t
       const float y = echo::mul_rn(buf[t], io.inv_factor);
       StoreY(cfg, io, k, y);
       if (cfg.compensated) {
-        const float m1 = io.m1[k];  // read before writing: m1_out may alias m1
-        const float m2 = io.m2[k];
+        const float m1 = LoadState(io, io.m1, k);  // read before writing: m1_out may alias m1
+        const float m2 = LoadState(io, io.m2, k);
         const float xp = echo::comp_apply(LoadX(cfg, io, k), m1, m2, cfg.k);
-        echo::comp_update(xp, y, m1, m2, cfg.k, &io.m1_out[k], &io.m2_out[k]);
+        float n1, n2;
+        echo::comp_update(xp, y, m1, m2, cfg.k, &n1, &n2);
+        StoreState(io, io.m1_out, k, n1);
+        StoreState(io, io.m2_out, k, n2);
       }
     }
   }
@@ -901,8 +923,9 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
   if (cfg.absent_rank == me) {  // test hook: behave like a peer that never arrives
     std::memset(io.y, 0, static_cast<size_t>(cfg.n) * ElementBytes(cfg.dtype));  // +0 in any dtype
     if (cfg.compensated) {
-      if (io.m1_out != io.m1) std::copy(io.m1, io.m1 + cfg.n, io.m1_out);
-      if (io.m2_out != io.m2) std::copy(io.m2, io.m2 + cfg.n, io.m2_out);
+      const size_t bytes = static_cast<size_t>(cfg.n) * (io.state_bf16 ? 2 : 4);
+      if (io.m1_out != io.m1) std::memcpy(io.m1_out, io.m1, bytes);
+      if (io.m2_out != io.m2) std::memcpy(io.m2_out, io.m2, bytes);
     }
     return Error_Type::Success();
   }
@@ -1231,17 +1254,24 @@ ffi::ErrorOr<Job> PrepareAllReduce(int32_t device_ordinal, ffi::RunId run_id, Bu
   ECHO_FFI_ASSIGN_OR_RETURN(float f, ReadFactor(factor));
   return Job{cfg, c,
              RankIO{x.untyped_data(), nullptr, nullptr, y->untyped_data(), nullptr, nullptr, f,
-                    1.0f / f}};
+                    1.0f / f, false}};
 }
 
 ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId run_id,
-                                              Buffer_Type x, F32Buffer_Type m1,
-                                              F32Buffer_Type m2, S32Buffer_Type coords,
+                                              Buffer_Type x, Buffer_Type m1,
+                                              Buffer_Type m2, S32Buffer_Type coords,
                                               F32Buffer_Type factor, Result_Type y,
-                                              F32Result_Type m1_out, F32Result_Type m2_out,
+                                              Result_Type m1_out, Result_Type m2_out,
                                               const Dictionary_Type& attrs) {
   ECHO_FFI_RETURN_IF_ERROR(CheckContribution(x, y));
   const int64_t n = static_cast<int64_t>(x.element_count());
+  const ffi::DataType st = m1.element_type();
+  ECHO_FFI_CHECK((st == ffi::DataType::F32 || st == ffi::DataType::BF16) &&
+                     m2.element_type() == st && m1_out->element_type() == st &&
+                     m2_out->element_type() == st,
+                 kWhere, "the state m1, m2 (and their results) must be all float32 or all "
+                 "bfloat16 (EchoConfig.state_dtype), got dtype codes ",
+                 static_cast<int>(st), " / ", static_cast<int>(m2.element_type()));
   ECHO_FFI_CHECK(static_cast<int64_t>(m1.element_count()) == n &&
                      static_cast<int64_t>(m2.element_count()) == n,
                  kWhere, "state m1/m2 have ", m1.element_count(), "/", m2.element_count(),
@@ -1255,8 +1285,9 @@ ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId
   ECHO_FFI_RETURN_IF_ERROR(DebugFailValidation(cfg, c));
   ECHO_FFI_ASSIGN_OR_RETURN(float f, ReadFactor(factor));
   return Job{cfg, c,
-             RankIO{x.untyped_data(), m1.typed_data(), m2.typed_data(), y->untyped_data(),
-                    m1_out->typed_data(), m2_out->typed_data(), f, 1.0f / f}};
+             RankIO{x.untyped_data(), m1.untyped_data(), m2.untyped_data(), y->untyped_data(),
+                    m1_out->untyped_data(), m2_out->untyped_data(), f, 1.0f / f,
+                    st == ffi::DataType::BF16}};
 }
 
 // -------------------------------------------------------------------------------------------
@@ -1273,10 +1304,10 @@ ffi::Future EchoAllReduceCpuImpl(int32_t device_ordinal, ffi::RunId run_id, Buff
 }
 
 ffi::Future EchoAllReduceCompCpuImpl(int32_t device_ordinal, ffi::RunId run_id,
-                                            Buffer_Type x, F32Buffer_Type m1,
-                                            F32Buffer_Type m2, S32Buffer_Type coords,
+                                            Buffer_Type x, Buffer_Type m1,
+                                            Buffer_Type m2, S32Buffer_Type coords,
                                             F32Buffer_Type factor, Result_Type y,
-                                            F32Result_Type m1_out, F32Result_Type m2_out,
+                                            Result_Type m1_out, Result_Type m2_out,
                                             Dictionary_Type attrs) {
   ffi::ErrorOr<Job> job = PrepareAllReduceCompensated(device_ordinal, run_id, x, m1, m2, coords,
                                                       factor, y, m1_out, m2_out, attrs);
@@ -1320,11 +1351,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::DeviceOrdinal>()          // this rank's device (identifies it in the join)
         .Ctx<xla::ffi::RunId>()                  // this execution, shared by all its devices
         .Arg<echo::Buffer_Type>()            // x: [n] f32/bf16/f16, before correction
-        .Arg<echo::F32Buffer_Type>()         // m1: fp32 [n], slow average (aliased to m1_out)
-        .Arg<echo::F32Buffer_Type>()         // m2: fp32 [n], fast average (aliased to m2_out)
+        .Arg<echo::Buffer_Type>()            // m1: [n] f32/bf16, slow average (aliased to m1_out)
+        .Arg<echo::Buffer_Type>()            // m2: [n] m1's dtype, fast average (aliased to m2_out)
         .Arg<echo::S32Buffer_Type>()         // coords: int32 [2] = (rank, group id)
         .Arg<echo::F32Buffer_Type>()         // factor: f32 [1], applied after x + c
         .Ret<echo::Buffer_Type>()            // y: [n] x's dtype, QAR(x + c), same on all ranks
-        .Ret<echo::F32Buffer_Type>()         // m1_out: fp32 [n], updated slow average
-        .Ret<echo::F32Buffer_Type>()         // m2_out: fp32 [n], updated fast average
+        .Ret<echo::Buffer_Type>()            // m1_out: [n] m1's dtype, updated slow average
+        .Ret<echo::Buffer_Type>()            // m2_out: [n] m2's dtype, updated fast average
         .Attrs());  // as above plus ea, eb, b1, c1, b2, c2, inv_p (fp32 coefficients)

@@ -13,8 +13,9 @@ A transport is a module with
   transport; with ``config.rotation == "hadamard"`` rotated inside the call (the bits of
   `xla.rotated_allreduce`: pad to whole groups, rotate, all-reduce, rotate back, cut);
 * optionally ``allreduce_compensated(x_flat, m1, m2, axis, num_ranks, config, factor=None)``:
-  Algorithm 1 of the Echo paper fused into the call (fp32 state), rotated like ``allreduce``
-  between the apply and the update steps. `echo_psum` takes the fused path where the chosen
+  Algorithm 1 of the Echo paper fused into the call, rotated like ``allreduce`` between the
+  apply and the update steps, with ``FUSED_STATE_DTYPES`` (default ("float32",)) the state
+  dtypes it takes (`fused_state_dtypes`). `echo_psum` takes the fused path where the chosen
   transport has it (and `collective.fused_compensation` allows it);
 * optionally ``fused_rotation(config)``: whether the call rotates by itself for this config
   (`has_fused_rotation`; a transport without it counts as False). Where it does not,
@@ -118,6 +119,15 @@ def has_fused_compensation(transport) -> bool:
     return callable(getattr(transport, "allreduce_compensated", None))
 
 
+def fused_state_dtypes(transport) -> tuple[str, ...]:
+    """The compensator state dtypes (`EchoConfig.state_dtype`) a transport module's fused
+    compensated call takes: its ``FUSED_STATE_DTYPES``, ("float32",) when it has none, () when
+    it has no fused call."""
+    if not has_fused_compensation(transport):
+        return ()
+    return tuple(getattr(transport, "FUSED_STATE_DTYPES", ("float32",)))
+
+
 def has_fused_rotation(transport, config: EchoConfig) -> bool:
     """Whether a transport module's calls rotate by themselves for this config (its
     ``fused_rotation(config)``; False for a transport without one). `echo_psum` hands the
@@ -132,5 +142,5 @@ def has_fused_rotation(transport, config: EchoConfig) -> bool:
 
 
 __all__ = ["select", "resolve", "custom_call", "unavailable_reason", "limit_reason",
-           "has_fused_compensation", "has_fused_rotation", "FORCE_XLA_ENV", "base", "xla", "cpu",
+           "has_fused_compensation", "fused_state_dtypes", "has_fused_rotation", "FORCE_XLA_ENV", "base", "xla", "cpu",
            "cuda"]

@@ -57,8 +57,8 @@ ea, eb, b1, c1,    fp32 coefficients of `compensator.Coefficients` and f32(1/P)
 b2, c2, inv_p  (compensated call only)
 =================  =========================================================================
 
-Operands: x [n] in float32, bfloat16 or float16, (m1, m2 fp32 [n] for the compensated call,
-aliased to their outputs), and coords int32 [2] = (axis_index(axis), group id), the group id
+Operands: x [n] in float32, bfloat16 or float16, (m1, m2 [n] in fp32 or bf16 for the compensated
+call, aliased to their outputs), and coords int32 [2] = (axis_index(axis), group id), the group id
 numbering the other manual axes. The sum y has x's dtype: a 16-bit x enters and leaves the call in
 its own dtype (no fp32 copy of it in XLA around the call); the handler loads it to fp32 exactly,
 runs the protocol in fp32 and rounds the sum to x's dtype to nearest even, like
@@ -103,6 +103,9 @@ MAX_RANKS = 256
 #: dtypes of the contribution x (and of the sum y): the call reads and writes them itself.
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 POLICY_CODES = policies.CODES  # asym 0, sym 1, asym_naive 2
+
+#: The state dtypes (`EchoConfig.state_dtype`) the fused compensated call takes.
+FUSED_STATE_DTYPES = ("float32", "bfloat16")
 
 _lock = threading.Lock()
 _registered: set[str] = set()
@@ -236,11 +239,12 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
                          f"got {dtype}{list(shape)}; pass jnp.ravel(x) (cast other dtypes to "
                          "float32 first)")
     for name, m in states:
-        if jnp.shape(m) != shape or jnp.result_type(m) != jnp.float32:
-            raise ValueError(f"{where}: {name} must be float32{list(shape)} (x_flat32's shape; the "
-                             f"state is fp32 for every dtype of x), got "
-                             f"{jnp.result_type(m)}{list(jnp.shape(m))}; flatten the "
-                             "CompensatorState from echo_jax.init_state(x)")
+        want = jnp.dtype(config.state_dtype)
+        if jnp.shape(m) != shape or jnp.result_type(m) != want:
+            raise ValueError(f"{where}: {name} must be {want}{list(shape)} (x_flat32's shape, "
+                             f"EchoConfig.state_dtype={config.state_dtype!r} for every dtype of "
+                             f"x), got {jnp.result_type(m)}{list(jnp.shape(m))}; flatten the "
+                             "CompensatorState from echo_jax.init_state(x, config)")
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)):
         raise ValueError(f"{where}: num_ranks must be an int, got {num_ranks!r}")
     num_ranks = int(num_ranks)
@@ -314,13 +318,15 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
 
     Args:
       x_flat32: [n] contribution before correction, float32, bfloat16 or float16.
-      m1_flat, m2_flat: fp32 [n], the flattened CompensatorState.
+      m1_flat, m2_flat: [n] in config.state_dtype (float32 or bfloat16, `FUSED_STATE_DTYPES`),
+        the flattened CompensatorState; a bfloat16 one is widened on load and the fp32 update
+        rounded to nearest even on store (`echo_jax.compensator`).
       axis, num_ranks, config, factor: as `allreduce`; the factor multiplies x' (after the
         apply step) and divides the sum before the update, so the state stays in x's units.
 
     Returns:
-      (y [n] in x's dtype, identical on every rank, m1_new fp32 [n], m2_new fp32 [n]); the state
-      is updated with the fp32 sum, before its rounding to x's dtype.
+      (y [n] in x's dtype, identical on every rank, m1_new [n], m2_new [n] in the state's
+      dtype); the state is updated with the fp32 sum, before its rounding to x's dtype.
     """
     attrs = _check_call("p2p_allreduce_compensated", x_flat32, axis, num_ranks, config,
                         states=(("m1_flat", m1_flat), ("m2_flat", m2_flat)))
@@ -328,7 +334,7 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     _register(base.current_platform())
     n = jnp.shape(x_flat32)[0]
     y_type = jax.ShapeDtypeStruct((n,), x_flat32.dtype)
-    m_type = jax.ShapeDtypeStruct((n,), jnp.float32)
+    m_type = jax.ShapeDtypeStruct((n,), jnp.result_type(m1_flat))
     call = jax.ffi.ffi_call(TARGET_COMPENSATED, (y_type, m_type, m_type), vmap_method="sequential",
                             input_output_aliases={1: 1, 2: 2})
     f32 = np.float32
@@ -355,7 +361,7 @@ def registry_stats() -> dict:
 
 
 __all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "allreduce_compensated",
-           "fused_rotation",
+           "fused_rotation", "FUSED_STATE_DTYPES",
            "available_platforms", "debug_absent_rank", "debug_failing_rank", "factor_operand",
            "build_info", "registry_stats", "POLICY_CODES", "TARGET", "TARGET_COMPENSATED",
            "MAX_RANKS", "TIMEOUT_ENV"]

@@ -13,7 +13,10 @@ and the fused `allreduce_compensated`, one rank per GPU inside `jax.shard_map`. 
 All of them return the same bits as the pure-JAX reference (`echo_jax.quant`,
 `echo_jax.collective.xla_allreduce`, `echo_jax.compensator`). With `EchoConfig.rotation="hadamard"`
 the all-reduce kernels rotate every group themselves (groups up to `MAX_ROTATED_GROUP`; the
-reference is `echo_jax.transports.xla.rotated_allreduce`), compensated or not.
+reference is `echo_jax.transports.xla.rotated_allreduce`), compensated or not. The fused
+compensated calls take the state in fp32 or bfloat16 (`FUSED_STATE_DTYPES`,
+`EchoConfig.state_dtype`): a bfloat16 m1, m2 is widened on load and rounded to nearest even on
+store inside the kernels, the bits of `echo_jax.compensator`'s bfloat16 state.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ MAX_RANKS = 8
 MAX_ROTATED_GROUP = 1024
 
 POLICY_CODES = policies.CODES
+
+#: The state dtypes (`EchoConfig.state_dtype`) the fused compensated kernels take.
+FUSED_STATE_DTYPES = ("float32", "bfloat16")
 
 
 def timeout_ms() -> int:
@@ -158,23 +164,14 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
             flat, factor_operand(factor), absent_rank=np.int64(absent_rank),
             **_attrs(config, num_ranks, False))
         return y.reshape(x.shape)
-    _check_state_f32(state, "virtual_allreduce")
-    m_type = jax.ShapeDtypeStruct(flat.shape, jnp.float32)
+    comp.check_state(state, x, "virtual_allreduce", config)
+    m_type = jax.ShapeDtypeStruct(flat.shape, jnp.result_type(state.m1))
     y, m1, m2 = jax.ffi.ffi_call(
         "echo_allreduce_virtual_comp_cuda", (y_type, m_type, m_type),
         input_output_aliases={1: 1, 2: 2})(
         flat, state.m1.reshape(flat.shape), state.m2.reshape(flat.shape), factor_operand(factor),
         **_attrs(config, num_ranks, True))
     return y.reshape(x.shape), comp.CompensatorState(m1.reshape(x.shape), m2.reshape(x.shape))
-
-
-def _check_state_f32(state, where):
-    """The CUDA kernels take an fp32 compensator state only (a bfloat16 state runs unfused)."""
-    for name in ("m1", "m2"):
-        dt = jnp.result_type(getattr(state, name))
-        if dt != jnp.float32:
-            raise ValueError(f"{where}: state.{name} must be float32 (the fused kernels take an "
-                             f"fp32 state only), got {dt}")
 
 
 def mesh_groups(axis, num_ranks: int) -> np.ndarray | None:
@@ -209,8 +206,8 @@ def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None, fact
     if state is None:
         f = factor_operand(factor, like=x)
         return jax.ffi.ffi_call("echo_allreduce_cuda", y_type)(x, f, **attrs)
-    _check_state_f32(state, "rank_allreduce")
-    m_type = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    comp.check_state(state, x, "rank_allreduce", config)
+    m_type = jax.ShapeDtypeStruct(x.shape, jnp.result_type(state.m1))
     y, m1, m2 = jax.ffi.ffi_call("echo_allreduce_comp_cuda", (y_type, m_type, m_type),
                                  input_output_aliases={1: 1, 2: 2})(
         x, state.m1, state.m2, factor_operand(factor, like=x), **attrs)
@@ -276,6 +273,6 @@ def allreduce_compensated(x_flat, m1_flat, m2_flat, axis, num_ranks: int, config
 
 
 __all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "allreduce_compensated",
-           "fused_rotation", "MAX_ROTATED_GROUP", "available", "build_info", "register",
+           "fused_rotation", "MAX_ROTATED_GROUP", "FUSED_STATE_DTYPES", "available", "build_info", "register",
            "quantize", "dequantize", "virtual_allreduce",
            "rank_allreduce", "mesh_groups", "MAX_RANKS", "TIMEOUT_ENV", "POLICY_CODES"]

@@ -138,6 +138,52 @@ def test_virtual_ranks_compensated_match_reference(cuda, nranks, bits):
     same_bits(new.m2, rnew.m2)
 
 
+@pytest.mark.parametrize("nranks", [2, 4])
+@pytest.mark.parametrize("xdtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_virtual_ranks_bf16_state_match_reference(cuda, nranks, xdtype, rotation):
+    """EchoConfig.state_dtype="bfloat16" inside the kernels: m1, m2 widened on load, the update
+    in fp32 rounded to nearest even on store; y, m1, m2 bit for bit with the xla transport's
+    (`echo_jax.compensator`). Shapes: aligned rows (fast stages, g = 32 .. 256, 4 and 8 bits) and
+    odd rows / g = 96 (generic stages), two chained calls each (the second reads the state the
+    kernel wrote)."""
+    rng = np.random.default_rng(nranks + 10 * len(xdtype))
+    cases = [(4, 128, 65536), (8, 32, 8192), (4, 256, 4096 + 256), (4, 64, 40001),
+             (8, 128, 1001)] + ([(4, 96, 5000)] if rotation == "none" else [])
+    for bits, g, n in cases:
+        cfg = ej.EchoConfig(bits=bits, group_size=g, rotation=rotation, state_dtype="bfloat16")
+        x1, x2 = (jnp.asarray(rng.standard_normal((nranks, n)), jnp.float32).astype(xdtype)
+                  for _ in range(2))
+        st = ej.CompensatorState(
+            jnp.asarray(0.1 * rng.standard_normal((nranks, n)), jnp.bfloat16),
+            jnp.asarray(-0.05 * rng.standard_normal((nranks, n)), jnp.bfloat16))
+        what = f"P={nranks} {xdtype} bits={bits} g={g} n={n} rotation={rotation}"
+
+        def two(a, b, s):
+            y1, s1 = cuda.virtual_allreduce(a, cfg, s)
+            y2, s2 = cuda.virtual_allreduce(b, cfg, s1)
+            return y1, s1, y2, s2
+        got = jax.jit(two)(x1, x2, st)
+        r1 = reference_allreduce(x1, cfg, st)
+        r2 = reference_allreduce(x2, cfg, r1[1])
+        for (y, new), (ry, rnew), step in (((got[0], got[1]), r1, 1), ((got[2], got[3]), r2, 2)):
+            assert new.m1.dtype == new.m2.dtype == jnp.bfloat16, what
+            same_bits(y, ry, f"{what} call {step}: y")
+            same_bits(new.m1, rnew.m1, f"{what} call {step}: m1")
+            same_bits(new.m2, rnew.m2, f"{what} call {step}: m2")
+        # Not vacuous: the state moved, and an fp32 state would have stored other values.
+        assert np.any(np.asarray(got[3].m1) != np.asarray(st.m1)), what
+
+
+def test_virtual_ranks_refuse_a_state_of_another_dtype(cuda):
+    x = jnp.ones((2, 1024), jnp.float32)
+    with pytest.raises(ValueError, match=r"state\.m1 must be bfloat16"):
+        cuda.virtual_allreduce(x, ej.EchoConfig(state_dtype="bfloat16"), ej.init_state(x))
+    with pytest.raises(ValueError, match=r"state\.m1 must be float32"):
+        cuda.virtual_allreduce(x, ej.EchoConfig(),
+                               ej.init_state(x, ej.EchoConfig(state_dtype="bfloat16")))
+
+
 def test_virtual_ranks_one_gib(cuda):
     # 1 GiB of fp32 per rank at P = 2.
     cfg = ej.EchoConfig(bits=4)
@@ -247,23 +293,25 @@ def test_p_equals_one_returns_x_without_a_kernel(cuda):
 # -------------------------------------------------------------------------------------------
 
 def test_missing_peer_times_out_with_a_clear_error(cuda, monkeypatch):
-    """Virtual rank 2 of 3 never arrives (`absent_rank`, a test hook of the handler). Ranks 0 and
-    1 wait ECHO_JAX_TIMEOUT_S (0.3 s here, read when the call is traced), give up and poison
+    """Virtual rank 4 of 5 never arrives (`absent_rank`, a test hook of the handler). Ranks 0 to
+    3 wait ECHO_JAX_TIMEOUT_S (0.3 s here, read when the call is traced), give up and poison
     their outputs with NaN; the call itself returns (a kernel cannot raise without a host
     synchronisation), and the next call of the group raises, from `check_health` in
     ffi/p2p_cuda.cu, the error of `describe_error`: the rank that timed out, the stage and the
     missing peer. The group stays unusable (the same error again); other groups still work.
+    P = 5 is a virtual group no other GPU test uses: tests of other files that run later in the
+    same process (pytest -m gpu tests/) would otherwise meet the broken group.
 
     Size: 2048 tiles per segment (8192 values each), more than the blocks of one virtual rank
-    that can be resident (at most 8 blocks of 256 threads per SM, shared by 3 ranks), so every
-    block of the waiting ranks waits in the reduce stage for rank 2's push: the stage and the
+    that can be resident (at most 8 blocks of 256 threads per SM, shared by 5 ranks), so every
+    block of the waiting ranks waits in the reduce stage for rank 4's push: the stage and the
     peer of the message are determined, and every block reaches the poisoning. Which of ranks 0
-    and 1 times out first is not, so the message may name either."""
+    to 3 times out first is not, so the message may name any of them."""
     timeout_s = 0.3
     monkeypatch.setenv(cuda.TIMEOUT_ENV, str(timeout_s))
     cfg = ej.EchoConfig(bits=4)           # g = 128: 64 groups of 128 per tile
-    ranks, absent = 3, 2                  # P = 3: a virtual group no other test uses
-    n = ranks * 2048 * 8192               # 50M fp32 values per rank
+    ranks, absent = 5, 4                  # P = 5: a virtual group no other test uses
+    n = ranks * 2048 * 8192               # 84M fp32 values per rank
     x = jax.random.normal(jax.random.key(2), (ranks, n))
     small = jax.random.normal(jax.random.key(3), (ranks, 1000))
     broken = jax.jit(lambda v: cuda.virtual_allreduce(v, cfg, absent_rank=absent)).lower(x).compile()
@@ -274,7 +322,7 @@ def test_missing_peer_times_out_with_a_clear_error(cuda, monkeypatch):
     y = broken(x)
     y.block_until_ready()                 # no error yet: the kernels gave up on their own
     waited = time.perf_counter() - t0
-    message = (r"rank [01] timed out in the reduce stage waiting for rank 2's push "
+    message = (r"rank [0-3] timed out in the reduce stage waiting for rank 4's push "
                + re.escape("(a peer never arrived); the group's workspace is no longer usable"))
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
         np.asarray(after(small))
@@ -284,7 +332,7 @@ def test_missing_peer_times_out_with_a_clear_error(cuda, monkeypatch):
     assert elapsed < timeout_s + 3.0, f"the error came {elapsed:.2f} s after the call, timeout " \
                                       f"{timeout_s} s"
     finite = np.asarray(jnp.sum(~jnp.isnan(y[:absent]), axis=1))
-    assert (finite == 0).all(), f"values that are not NaN in the outputs of ranks 0 and 1 " \
+    assert (finite == 0).all(), f"values that are not NaN in the outputs of ranks 0 to 3 " \
                                 f"after the timeout: {finite.tolist()} of {n}"
 
     # The group stays broken: the same error, again, on every later call.
@@ -294,7 +342,7 @@ def test_missing_peer_times_out_with_a_clear_error(cuda, monkeypatch):
     cfg2 = ej.EchoConfig(bits=8)
     x2 = small[:2]
     same_bits(jax.jit(lambda v: cuda.virtual_allreduce(v, cfg2))(x2),
-              reference_allreduce(x2, cfg2), "P = 2 after the P = 3 group broke")
+              reference_allreduce(x2, cfg2), "P = 2 after the P = 5 group broke")
 
 
 # -------------------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 Semantics checked against a NumPy reference written here (not the code's own functions): the apply
 step and the update run in fp32 on the state widened exactly, and only the stored m1, m2 are
 rounded to bfloat16 (round to nearest even) at every call. Also: xla == p2p bit for bit with a
-bfloat16 state, the dtype survives jit / scan / grad, bad values are rejected with a message that
-names the field, and the models thread the state in the config's dtype.
+bfloat16 state (the CPU custom call fusing it, asserted in the compiled program), the dtype
+survives jit / scan / grad, bad values are rejected with a message that names the field, and the
+models thread the state in the config's dtype. The CUDA kernels' bf16 state:
+test_p2p_cuda.py.
 """
 
 import jax
@@ -19,6 +21,7 @@ import echo_jax as ej
 from echo_jax import collective
 from echo_jax import compensator as comp
 from echo_jax import tp
+from echo_jax import transports
 from np_reference import coefficients
 
 BF16 = ej.EchoConfig(bits=4, transport="xla", state_dtype="bfloat16")
@@ -115,9 +118,17 @@ def test_state_of_the_wrong_dtype_is_rejected():
         vmapped(BF16.replace(state_dtype="float32"))(x, ej.init_state(x, BF16))
 
 
-def test_the_fused_call_is_chosen_for_an_fp32_state_only():
+def test_a_bf16_state_is_fused_where_the_transport_takes_one():
     assert collective.fused_compensation(ej.EchoConfig(), rescale=False)
+    # Not known which transport runs: only an fp32 state fuses.
     assert not collective.fused_compensation(BF16, rescale=False)
+    # The custom calls (CPU handler, CUDA kernels) take a bf16 state; the xla transport has no
+    # fused call at all.
+    for t in (transports.cpu, transports.cuda):
+        assert transports.fused_state_dtypes(t) == ("float32", "bfloat16")
+        assert collective.fused_compensation(BF16, rescale="auto", transport=t)
+    assert transports.fused_state_dtypes(transports.xla) == ()
+    assert not collective.fused_compensation(BF16, rescale=False, transport=transports.xla)
     # The rescaling's factor is an operand of the fused call: rescaling keeps it fused.
     assert collective.fused_compensation(ej.EchoConfig(), rescale=True)
     assert collective.fused_compensation(ej.EchoConfig(), rescale="auto")
@@ -206,9 +217,10 @@ def test_float32_state_is_unchanged():
 # transports
 
 
-@pytest.mark.parametrize("nranks", [2, 4])
-@pytest.mark.parametrize("xdtype", [jnp.float32, jnp.bfloat16])
-def test_xla_equals_p2p_bit_for_bit_with_a_bf16_state(nranks, xdtype):
+@pytest.mark.parametrize("nranks,xdtype,rotation", [
+    (2, jnp.float32, "none"), (4, jnp.float32, "none"), (2, jnp.bfloat16, "none"),
+    (4, jnp.bfloat16, "none"), (3, jnp.float16, "hadamard"), (4, jnp.float32, "hadamard")])
+def test_xla_equals_p2p_bit_for_bit_with_a_bf16_state(nranks, xdtype, rotation):
     from echo_jax import p2p
     if "cpu" not in p2p.available_platforms():
         pytest.skip("echo_jax._ffi (the compiled custom call) is not built")
@@ -219,7 +231,7 @@ def test_xla_equals_p2p_bit_for_bit_with_a_bf16_state(nranks, xdtype):
     xs = jax.random.normal(jax.random.key(nranks), (nranks, steps, n)).astype(xdtype)
 
     def run(transport):
-        cfg = BF16.replace(transport=transport)
+        cfg = BF16.replace(transport=transport, rotation=rotation)
 
         def body(x):
             assert collective.resolve_transport(cfg, "tp", n) == transport
@@ -233,7 +245,13 @@ def test_xla_equals_p2p_bit_for_bit_with_a_bf16_state(nranks, xdtype):
             return jnp.stack(outs)[None], s.m1[None], s.m2[None]
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=(P("tp"),) * 3))
-        return f(jax.device_put(xs, NamedSharding(mesh, P("tp"))))
+        args = jax.device_put(xs, NamedSharding(mesh, P("tp")))
+        text = f.lower(args).compile().as_text()
+        # p2p: the fused call, once a step (apply and update inside it); xla: no custom call.
+        target = 'custom_call_target="{}"'.format
+        assert text.count(target(p2p.TARGET_COMPENSATED)) == (steps if transport == "p2p" else 0)
+        assert target(p2p.TARGET) not in text
+        return f(args)
 
     got, want = run("p2p"), run("xla")
     assert got[1].dtype == jnp.bfloat16
@@ -242,14 +260,23 @@ def test_xla_equals_p2p_bit_for_bit_with_a_bf16_state(nranks, xdtype):
     assert np.abs(np.asarray(got[1], F32)).max() > 0
 
 
-def test_fused_entry_points_refuse_a_bf16_state():
+def test_fused_entry_points_refuse_a_state_of_another_dtype():
     from echo_jax import p2p
     x = jnp.ones((2, 256))
-    s = ej.init_state(x, BF16)
-    f = jax.vmap(lambda v, a, b: p2p.p2p_allreduce_compensated(v, a, b, "tp", 2, BF16),
-                 axis_name="tp")
-    with pytest.raises(ValueError, match="m1_flat must be float32"):
-        f(x, s.m1, s.m2)
+    s16, s32 = ej.init_state(x, BF16), ej.init_state(x)
+
+    def f(cfg):
+        return jax.vmap(lambda v, a, b: p2p.p2p_allreduce_compensated(v, a, b, "tp", 2, cfg),
+                        axis_name="tp")
+    with pytest.raises(ValueError, match=r"m1_flat must be float32 \(EchoConfig.state_dtype\), "
+                                         r"got bfloat16"):
+        f(BF16.replace(state_dtype="float32"))(x, s16.m1, s16.m2)
+    with pytest.raises(ValueError, match=r"m1_flat must be bfloat16 \(EchoConfig.state_dtype\), "
+                                         r"got float32"):
+        f(BF16)(x, s32.m1, s32.m2)
+    # The right dtype runs (under vmap: the xla transport's apply and update in JAX).
+    y, m1, m2 = f(BF16)(x, s16.m1, s16.m2)
+    assert m1.dtype == m2.dtype == jnp.bfloat16
 
 
 # --------------------------------------------------------------------------------------------
