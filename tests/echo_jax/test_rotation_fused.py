@@ -257,13 +257,15 @@ def test_decisions():
     assert not collective.fused_rotation(rot, bare)
     assert not collective.fused_rotation(rot, None)
     assert not collective.fused_rotation(plain, cpu)
-    # Compensation stays fused with a fused rotation (fp32 state only), rescaled or not.
+    # Compensation stays fused with a fused rotation, rescaled or not, with an fp32 state or a
+    # bfloat16 one (the CPU call takes both); a transport without FUSED_STATE_DTYPES takes fp32.
     assert collective.fused_compensation(rot, False, cpu)
     assert collective.fused_compensation(rot, True, cpu)
     assert not collective.fused_compensation(rot, False, bare)
     assert not collective.fused_compensation(rot, False)
-    assert not collective.fused_compensation(rot.replace(state_dtype="bfloat16"), False, cpu)
+    assert collective.fused_compensation(rot.replace(state_dtype="bfloat16"), False, cpu)
     assert collective.fused_compensation(plain, True, bare)
+    assert not collective.fused_compensation(plain.replace(state_dtype="bfloat16"), True, bare)
     with pytest.raises(ValueError, match="rescale"):
         collective.fused_compensation(rot, "yes", cpu)
 
@@ -388,8 +390,9 @@ def test_fused_output_is_close_to_the_exact_sum(bits, tol):
 @needs_call
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_bfloat16_state_with_the_rotation_in_the_call(dtype):
-    """A bfloat16 state runs unfused (apply and update in JAX) around the uncompensated call,
-    which still rotates itself (rotate = 1), with the xla transport's bits (y and state)."""
+    """A bfloat16 state runs in the fused call, which rotates itself (rotate = 1): apply,
+    rotate, protocol, unrotate and update inside it, with the xla transport's bits (y and
+    state)."""
     nranks, g, n = 3, 64, 500
     cfg = ej.EchoConfig(rotation="hadamard", transport="p2p", group_size=g,
                         state_dtype="bfloat16")
@@ -398,7 +401,7 @@ def test_bfloat16_state_with_the_rotation_in_the_call(dtype):
     want, _ = run(cfg.replace(transport="xla"), x)
     calls = custom_calls(hlo)
     assert len(calls) == 1 + STEPS and all("rotate = 1 : i64" in c for c in calls), calls
-    assert not any(cpu.TARGET_COMPENSATED in c for c in calls)
+    assert sum(f'custom_call_target="{cpu.TARGET_COMPENSATED}"' in c for c in calls) == STEPS
     assert got[2].dtype == np.dtype(jnp.bfloat16)
     for name, a, b in zip(["y", "y_t", "m1", "m2"], got, want):
         assert_same_bits(a, b, name)
