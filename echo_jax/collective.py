@@ -291,9 +291,13 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     if direct and fused_compensation(config, rescale, transport):
         # Fused compensation (Sec. 5.3): the apply step runs in the call's entry pass and the
         # state update inside the call, with the fp32 sum (unrotated first where the call
-        # rotates); m1/m2 are updated in place.
-        y, m1, m2 = _fused_allreduce_f32(flat, m.m1, m.m2, factor, axis, num_ranks, config)
-        return y.reshape(shape), comp.CompensatorState(m1.reshape(shape), m2.reshape(shape))
+        # rotates); m1/m2 are updated in place. They go in and come out in their own shape: a
+        # reshape around an operand the call updates in place made XLA copy m1 and m2 before
+        # and after every call in a loop (a scan over sites with an N-D contribution: four
+        # state copies a site, more traffic than the fused update itself).
+        y, m1, m2 = _fused_allreduce_f32(flat, state.m1, state.m2, factor, axis, num_ranks,
+                                         config)
+        return y.reshape(shape), comp.CompensatorState(m1, m2)
     # Unfused (the xla transport; or a custom call with a state dtype it does not take or a
     # rotation in JAX):
     # apply, the uncompensated transport (rescaled and, with a fused rotation, rotated inside),
@@ -347,9 +351,9 @@ def _rotated_allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
 def _fused_allreduce_f32(x_flat32, m1, m2, factor, axis, num_ranks, config):
-    # x: flat fp32, bfloat16 or float16 (the sum comes back in its dtype); m1, m2: fp32;
-    # factor: None or the f32 power of two of the rescaling. Only a transport with a fused call
-    # gets here (`_echo_leaf`).
+    # x: flat fp32, bfloat16 or float16 (the sum comes back in its dtype); m1, m2: the state in
+    # x's original shape and the state dtype (returned so); factor: None or the f32 power of two
+    # of the rescaling. Only a transport with a fused call gets here (`_echo_leaf`).
     transport = transports.select(config, axis, x_flat32.shape[0])
     return transport.allreduce_compensated(x_flat32, m1, m2, axis, num_ranks, config,
                                            factor=factor)

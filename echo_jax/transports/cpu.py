@@ -240,11 +240,15 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
                          "float32 first)")
     for name, m in states:
         want = jnp.dtype(config.state_dtype)
-        if jnp.shape(m) != shape or jnp.result_type(m) != want:
-            raise ValueError(f"{where}: {name} must be {want}{list(shape)} (x_flat32's shape, "
-                             f"EchoConfig.state_dtype={config.state_dtype!r} for every dtype of "
-                             f"x), got {jnp.result_type(m)}{list(jnp.shape(m))}; flatten the "
+        if jnp.size(m) != shape[0] or jnp.result_type(m) != want:
+            raise ValueError(f"{where}: {name} must be {want} with {shape[0]} elements (x_flat32's "
+                             f"size, EchoConfig.state_dtype={config.state_dtype!r} for every dtype "
+                             f"of x), got {jnp.result_type(m)}{list(jnp.shape(m))}; use the "
                              "CompensatorState from echo_jax.init_state(x, config)")
+    if states and len({jnp.shape(m) for _, m in states}) != 1:
+        raise ValueError(f"{where}: " + " and ".join(f"{name} {list(jnp.shape(m))}"
+                                                     for name, m in states)
+                         + " must have one shape (each is updated in place)")
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)):
         raise ValueError(f"{where}: num_ranks must be an int, got {num_ranks!r}")
     num_ranks = int(num_ranks)
@@ -318,15 +322,17 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
 
     Args:
       x_flat32: [n] contribution before correction, float32, bfloat16 or float16.
-      m1_flat, m2_flat: [n] in config.state_dtype (float32 or bfloat16, `FUSED_STATE_DTYPES`),
-        the flattened CompensatorState; a bfloat16 one is widened on load and the fp32 update
-        rounded to nearest even on store (`echo_jax.compensator`).
+      m1_flat, m2_flat: the CompensatorState in config.state_dtype (float32 or bfloat16,
+        `FUSED_STATE_DTYPES`), n elements in any shape, returned in that shape (keep the state's
+        own shape: a reshape around an operand updated in place makes XLA copy it in a loop); a
+        bfloat16 one is widened on load and the fp32 update rounded to nearest even on store
+        (`echo_jax.compensator`).
       axis, num_ranks, config, factor: as `allreduce`; the factor multiplies x' (after the
         apply step) and divides the sum before the update, so the state stays in x's units.
 
     Returns:
-      (y [n] in x's dtype, identical on every rank, m1_new [n], m2_new [n] in the state's
-      dtype); the state is updated with the fp32 sum, before its rounding to x's dtype.
+      (y [n] in x's dtype, identical on every rank, m1_new, m2_new in the state's dtype and
+      shape); the state is updated with the fp32 sum, before its rounding to x's dtype.
     """
     attrs = _check_call("p2p_allreduce_compensated", x_flat32, axis, num_ranks, config,
                         states=(("m1_flat", m1_flat), ("m2_flat", m2_flat)))
@@ -334,7 +340,7 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     _register(base.current_platform())
     n = jnp.shape(x_flat32)[0]
     y_type = jax.ShapeDtypeStruct((n,), x_flat32.dtype)
-    m_type = jax.ShapeDtypeStruct((n,), jnp.result_type(m1_flat))
+    m_type = jax.ShapeDtypeStruct(jnp.shape(m1_flat), jnp.result_type(m1_flat))
     call = jax.ffi.ffi_call(TARGET_COMPENSATED, (y_type, m_type, m_type), vmap_method="sequential",
                             input_output_aliases={1: 1, 2: 2})
     f32 = np.float32

@@ -206,8 +206,13 @@ def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None, fact
     if state is None:
         f = factor_operand(factor, like=x)
         return jax.ffi.ffi_call("echo_allreduce_cuda", y_type)(x, f, **attrs)
-    comp.check_state(state, x, "rank_allreduce", config)
-    m_type = jax.ShapeDtypeStruct(x.shape, jnp.result_type(state.m1))
+    # The state keeps its own shape (x may be flat): reshaping an operand the call updates in
+    # place makes XLA copy it in a loop.
+    comp.check_state(state, state.m1, "rank_allreduce", config)
+    if jnp.size(state.m1) != jnp.size(x):
+        raise ValueError(f"rank_allreduce: the state has {jnp.size(state.m1)} elements, x has "
+                         f"{jnp.size(x)}; use echo_jax.init_state(x, config)")
+    m_type = jax.ShapeDtypeStruct(jnp.shape(state.m1), jnp.result_type(state.m1))
     y, m1, m2 = jax.ffi.ffi_call("echo_allreduce_comp_cuda", (y_type, m_type, m_type),
                                  input_output_aliases={1: 1, 2: 2})(
         x, state.m1, state.m2, factor_operand(factor, like=x), **attrs)
