@@ -242,7 +242,8 @@ def fused_compensation(config: EchoConfig, rescale=False, transport=None) -> boo
     """
     check_rescale(rescale, "fused_compensation")
     if config.state_dtype != "float32" and (
-            transport is None or config.state_dtype not in transports.fused_state_dtypes(transport)):
+            transport is None
+            or config.state_dtype not in transports.fused_state_dtypes(transport)):
         return False
     return config.rotation == "none" or fused_rotation(config, transport)
 

@@ -142,5 +142,6 @@ def has_fused_rotation(transport, config: EchoConfig) -> bool:
 
 
 __all__ = ["select", "resolve", "custom_call", "unavailable_reason", "limit_reason",
-           "has_fused_compensation", "fused_state_dtypes", "has_fused_rotation", "FORCE_XLA_ENV", "base", "xla", "cpu",
+           "has_fused_compensation", "fused_state_dtypes", "has_fused_rotation", "FORCE_XLA_ENV",
+           "base", "xla", "cpu",
            "cuda"]

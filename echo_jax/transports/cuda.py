@@ -278,6 +278,7 @@ def allreduce_compensated(x_flat, m1_flat, m2_flat, axis, num_ranks: int, config
 
 
 __all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "allreduce_compensated",
-           "fused_rotation", "MAX_ROTATED_GROUP", "FUSED_STATE_DTYPES", "available", "build_info", "register",
+           "fused_rotation", "MAX_ROTATED_GROUP", "FUSED_STATE_DTYPES", "available", "build_info",
+           "register",
            "quantize", "dequantize", "virtual_allreduce",
            "rank_allreduce", "mesh_groups", "MAX_RANKS", "TIMEOUT_ENV", "POLICY_CODES"]

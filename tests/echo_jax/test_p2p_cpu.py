@@ -441,10 +441,11 @@ def test_compensated_sites_in_a_scan_update_the_state_without_copies(state_dtype
 
     compiled = program("p2p").lower(xs).compile()
     text = compiled.as_text()
-    loop = [c for c in re.split(r"\n(?=\S)", text) if "custom_call_target=\"echo_allreduce_comp_cpu\"" in c]
+    target = f'custom_call_target="{p2p.TARGET_COMPENSATED}"'
+    loop = [c for c in re.split(r"\n(?=\S)", text) if target in c]
     assert len(loop) == 1, "the fused call is not in exactly one computation (the loop body)"
     body = loop[0]
-    assert body.count("custom_call_target=\"echo_allreduce_comp_cpu\"") == 1
+    assert body.count(target) == 1
     state_type = {"float32": "f32", "bfloat16": "bf16"}[state_dtype]
     copies = [ln.strip() for ln in body.splitlines()
               if re.search(rf"= {state_type}\[[\d,]*\][^=]*\bcopy\(", ln)

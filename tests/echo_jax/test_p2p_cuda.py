@@ -314,7 +314,8 @@ def test_missing_peer_times_out_with_a_clear_error(cuda, monkeypatch):
     n = ranks * 2048 * 8192               # 84M fp32 values per rank
     x = jax.random.normal(jax.random.key(2), (ranks, n))
     small = jax.random.normal(jax.random.key(3), (ranks, 1000))
-    broken = jax.jit(lambda v: cuda.virtual_allreduce(v, cfg, absent_rank=absent)).lower(x).compile()
+    broken = jax.jit(lambda v: cuda.virtual_allreduce(v, cfg, absent_rank=absent)).lower(
+        x).compile()
     after = jax.jit(lambda v: cuda.virtual_allreduce(v, cfg)).lower(small).compile()
     jax.block_until_ready((x, small))
 
