@@ -63,7 +63,8 @@ n elements in the state's own shape, aliased to their outputs), and coords int32
 dtype: a 16-bit x enters and leaves the call in its own dtype (no fp32 copy of it in XLA around the
 call); the handler loads it to fp32 exactly, runs the protocol in fp32 and rounds the sum to x's
 dtype to nearest even, like `xla_allreduce(x.astype(f32)).astype(x.dtype)`. The compensated call
-keeps its state in fp32 and updates it with the fp32 sum, before that rounding. """
+updates its state (fp32 or bf16, `FUSED_STATE_DTYPES`) with the fp32 sum, before that rounding.
+"""
 
 from __future__ import annotations
 
