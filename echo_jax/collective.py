@@ -223,8 +223,8 @@ def fused_compensation(config: EchoConfig, rescale=False, transport=None) -> boo
     """Whether a compensated call with this config may fuse apply + update into the custom call.
 
     The one place that decides it (`_echo_leaf` asks only here): the fused calls (the CPU
-    handler and the CUDA kernels) take an fp32 state only, and nothing may run in fp32 around
-    them: with rotation="hadamard" only where the rotation is fused into the call too
+    handler and the CUDA kernels) take the state dtypes their transport lists, and nothing may
+    run in fp32 around them: with rotation="hadamard" only where the rotation is fused into the call too
     (`fused_rotation(config, transport)`; a rotation in JAX around the call would hand it
     rotated values, while the state lives in the original basis). The rescaling factor is an
     operand of the fused call (applied after the apply step, undone before the update, as

@@ -56,8 +56,8 @@ class EchoConfig:
         "bfloat16" (a NumPy / JAX dtype or its name is accepted and stored as the name). The
         apply and update steps compute in fp32 either way; a bfloat16 state is widened exactly
         and the new averages are rounded to nearest even when stored (`echo_jax.compensator`).
-        The fused custom call takes an fp32 state only, so a bfloat16 state runs the apply and
-        update steps in JAX around the uncompensated transport (same bits on every transport).
+        The fused custom calls (CPU and CUDA) take either dtype, with the same bits as the
+        xla transport's apply and update steps in JAX.
 
     Properties:
       wire_bits_per_element: bits sent per value by one quantized copy, codes plus the fp16
