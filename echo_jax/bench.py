@@ -23,9 +23,11 @@ Timing (allreduce, gate, kernels, virtual): each measured op runs inside one jit
 XLA can neither hoist it out of the loop nor drop part of it. The loop's trip count is static (one
 program for `--warmup`, one for `--iters`): a first loop of `--warmup` iterations (it also
 compiles), then `--repeats` loops of `--iters` iterations, each timed by the host clock around the
-loop and `block_until_ready`. The per-call time of a loop is its time divided by its iterations,
+loop and `block_until_ready`. The per-call time of a loop is its time divided by its calls,
 and the reported time is the median over the loops. Dispatch is thus amortised over the loop and
-the host does not wait between calls.
+the host does not wait between calls. `kernels` runs 8 calls an iteration on 8 different inputs
+(`--calls-per-iteration`), so the loop's own cost per iteration (a few microseconds on a GPU)
+is shared by 8 calls of a kernel that takes 50-150 us.
 
 The end-to-end benchmark of a `models` preset (time to first token and training step per
 all-reduce mode) is `python -m models.bench_e2e`: the library does not import the models.
@@ -121,26 +123,13 @@ def machine_name(device, ranks: int, *, virtual: bool = False, simulated: bool =
 # Timing
 
 
-def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None,
-                  carry_state: bool = False) -> dict:
-    """Time fn(x) in device-side loops (see the module docstring).
+def timing_loop(fn, carry_state: bool = False):
+    """The jitted timing program of `time_op_stats`: loop(xs, n) runs n iterations (the first
+    one starts the carry), each calling fn once on every input of the tuple xs (K calls), or
+    once on (x, m1, m2) with carry_state. Returns the last iteration's outputs."""
 
-    Args:
-      fn: a jax-traceable function of x (a pytree); its output may be a pytree.
-      x: the input, reused by every call.
-      iters: calls per timed loop.
-      repeats: timed loops.
-      warmup: calls of the first, untimed loop (it also compiles); default `iters`.
-      carry_state: x is (x, m1, m2) and fn returns (y, m1', m2') (a compensated all-reduce):
-        each call takes the state the previous call returned, and nothing else keeps that state
-        alive, as a model's scan carry does; so XLA may update it in place (the custom call's
-        input_output_aliases) instead of copying it on every call.
-
-    Returns:
-      dict(median_s, min_s, max_s, loop_s): seconds per call, and each loop's per-call time.
-    """
-    iters, repeats = max(1, int(iters)), max(1, int(repeats))
-    warmup = iters if warmup is None else max(1, int(warmup))
+    def calls(vs):
+        return tuple(fn(v) for v in vs)
 
     def body(_, carry):
         v, out = carry
@@ -149,38 +138,79 @@ def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None,
             return lax.optimization_barrier((v[0], fn(v)))
         # The whole output is carried, so XLA must compute all of it; the barrier makes the next
         # input depend on it, so nothing is hoisted out of the loop.
-        return lax.optimization_barrier((v, fn(v)))
+        return lax.optimization_barrier((v, calls(v)))
 
     def run(v, n):
         # The first call starts the carry, so the carry has the output's shardings.
-        carry = lax.optimization_barrier((v[0] if carry_state else v, fn(v)))
+        carry = lax.optimization_barrier((v[0], fn(v)) if carry_state else (v, calls(v)))
         # Not unrolled: with lax.fori_loop(..., unroll=8) XLA ran the op about once per body on
-        # the H200 (a 256 MiB p2p4 call "took" 18 us), so each call keeps its own iteration;
-        # the loop counter's kernels add a few us a call (256 MiB quantize: 86.7 us in this
-        # loop, 81.4 us when the host dispatches the calls back to back).
-        return jax.tree.leaves(lax.fori_loop(1, n, body, carry)[1])[0]
+        # the H200 (a 256 MiB p2p4 call "took" 18 us): the K calls of an iteration take K
+        # different inputs instead. The loop counter's kernels add a few us an iteration
+        # (256 MiB quantize at K = 1: 86.7 us in this loop, 81.4 us when the host dispatches the
+        # calls back to back).
+        # Every output leaves the program: an output nothing reads would be dropped from the
+        # loop (XLA removes dead loop-carried values), and its call with it.
+        return lax.fori_loop(1, n, body, carry)[1]
+
+    return jax.jit(run, static_argnums=1)
+
+
+def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None,
+                  carry_state: bool = False, calls_per_iteration: int = 1) -> dict:
+    """Time fn(x) in device-side loops (see the module docstring).
+
+    Args:
+      fn: a jax-traceable function of x (a pytree); its output may be a pytree.
+      x: the input, reused by every call.
+      iters: loop iterations per timed loop.
+      repeats: timed loops.
+      warmup: iterations of the first, untimed loop (it also compiles); default `iters`.
+      carry_state: x is (x, m1, m2) and fn returns (y, m1', m2') (a compensated all-reduce):
+        each call takes the state the previous call returned, and nothing else keeps that state
+        alive, as a model's scan carry does; so XLA may update it in place (the custom call's
+        input_output_aliases) instead of copying it on every call.
+      calls_per_iteration: K calls of fn per loop iteration, on K inputs of x's shape with
+        different contents (x and x rolled by 1..K-1 along each array's first axis; identical
+        inputs would be merged into one call), so the loop's own cost per iteration (its
+        counter and predicate, a few microseconds on a GPU) is shared by K calls. Not with
+        carry_state.
+
+    Returns:
+      dict(median_s, min_s, max_s, loop_s): seconds per call, and each loop's per-call time.
+    """
+    iters, repeats = max(1, int(iters)), max(1, int(repeats))
+    warmup = iters if warmup is None else max(1, int(warmup))
+    k_calls = max(1, int(calls_per_iteration))
+    if carry_state and k_calls > 1:
+        raise ValueError("time_op_stats: calls_per_iteration > 1 does not take carry_state")
 
     # A static trip count: with a traced one every iteration cost extra time between calls (one
     # H200, 256 MiB: quantize 111 against 90 us a call, copy 171 against 143 us), likely the loop
     # predicate checked on the host each iteration.
-    loop = jax.jit(run, static_argnums=1)
+    loop = timing_loop(fn, carry_state)
+    if not carry_state:  # the K inputs, made before (outside) the timed programs
+        x = (x,) if k_calls == 1 else jax.jit(lambda v: tuple(
+            jax.tree.map(lambda a, i=i: jnp.roll(a, i, axis=0) if a.ndim else a, v)
+            for i in range(k_calls)))(x)
     warm = loop.lower(x, warmup).compile()
-    warm(x).block_until_ready()
+    jax.block_until_ready(warm(x))
     # The timed program is compiled before the clock starts (a trip count other than warmup's is
     # another program; compiling it inside the first timed loop made that loop an outlier).
     timed = warm if iters == warmup else loop.lower(x, iters).compile()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        timed(x).block_until_ready()
-        times.append((time.perf_counter() - t0) / iters)
+        jax.block_until_ready(timed(x))
+        times.append((time.perf_counter() - t0) / (iters * k_calls))
     return dict(median_s=statistics.median(times), min_s=min(times), max_s=max(times),
                 loop_s=times)
 
 
-def time_op(fn, x, iters: int, repeats: int, warmup: int | None = None) -> float:
+def time_op(fn, x, iters: int, repeats: int, warmup: int | None = None,
+            calls_per_iteration: int = 1) -> float:
     """Median seconds per call of fn(x) (`time_op_stats`' median_s)."""
-    return time_op_stats(fn, x, iters, repeats, warmup)["median_s"]
+    return time_op_stats(fn, x, iters, repeats, warmup,
+                         calls_per_iteration=calls_per_iteration)["median_s"]
 
 
 def timing_note(iters: int, warmup: int, repeats: int) -> str:
@@ -662,7 +692,9 @@ def bench_kernels(args) -> dict:
         n = size // 4
         n -= n % 128
         x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
-        copy_s = time_op(lambda v: v * 2.0, x, args.iters, args.repeats)
+        k_calls = args.calls_per_iteration
+        copy_s = time_op(lambda v: v * 2.0, x, args.iters, args.repeats,
+                         calls_per_iteration=k_calls)
         copy_bw = 8 * n / copy_s  # read 4 B + write 4 B per value
         rows.append(dict(op="copy (x*2)", dtype="float32", size_bytes=size, seconds=copy_s,
                          bytes_moved=8 * n, gbps=copy_bw / 1e9, pct_of_copy=100.0))
@@ -671,14 +703,15 @@ def bench_kernels(args) -> dict:
             wire = n // 128 * (128 * bits // 8 + 4)
             for dtype in (jnp.float32, jnp.bfloat16):
                 xd = x.astype(dtype)
-                q_s = time_op(lambda v: p2p_cuda.quantize(v, cfg), xd, args.iters, args.repeats)
+                q_s = time_op(lambda v: p2p_cuda.quantize(v, cfg), xd, args.iters, args.repeats,
+                              calls_per_iteration=k_calls)
                 moved = n * jnp.dtype(dtype).itemsize + wire
                 rows.append(dict(op=f"quantize {bits}-bit", dtype=jnp.dtype(dtype).name,
                                  size_bytes=size, seconds=q_s, bytes_moved=moved,
                                  gbps=moved / q_s / 1e9, pct_of_copy=100 * moved / q_s / copy_bw))
             packed, params = jax.jit(lambda v: p2p_cuda.quantize(v, cfg))(x)
             d_s = time_op(lambda p: p2p_cuda.dequantize(p[0], p[1], cfg), (packed, params),
-                          args.iters, args.repeats)
+                          args.iters, args.repeats, calls_per_iteration=k_calls)
             moved = wire + 4 * n
             rows.append(dict(op=f"dequantize {bits}-bit", dtype="float32", size_bytes=size,
                              seconds=d_s, bytes_moved=moved, gbps=moved / d_s / 1e9,
@@ -687,11 +720,16 @@ def bench_kernels(args) -> dict:
         # as XLA ops (a log2(g)-stage butterfly per group), each reading and writing n fp32 values.
         for op, fn in (("hadamard rotate g128 (XLA)", ej.hadamard_rotate),
                        ("hadamard unrotate g128 (XLA)", ej.hadamard_unrotate)):
-            r_s = time_op(lambda v, fn=fn: fn(v, 128), x, args.iters, args.repeats)
+            r_s = time_op(lambda v, fn=fn: fn(v, 128), x, args.iters, args.repeats,
+                          calls_per_iteration=k_calls)
             rows.append(dict(op=op, dtype="float32", size_bytes=size, seconds=r_s,
                              bytes_moved=8 * n, gbps=8 * n / r_s / 1e9,
                              pct_of_copy=100 * 8 * n / r_s / copy_bw))
-    return {"benchmark": "kernels", "device": str(jax.devices()[0].device_kind), "rows": rows}
+    timing = (timing_note(args.iters, args.iters, args.repeats) +
+              f"; {args.calls_per_iteration} calls of the op per iteration on different inputs "
+              "(seconds is per call)")
+    return {"benchmark": "kernels", "device": str(jax.devices()[0].device_kind),
+            "timing": timing, "rows": rows}
 
 
 def bench_virtual(args) -> dict:
@@ -842,6 +880,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--iters", type=positive_int, default=30)
         p.add_argument("--repeats", type=positive_int, default=5)
         p.add_argument("--json", help="write the results to this file")
+        if name == "kernels":
+            p.add_argument("--calls-per-iteration", type=positive_int, default=8,
+                           help="calls of each op per iteration of the timed loop, on different "
+                                "inputs (the loop's own cost per iteration is shared by them)")
         if name == "virtual":
             p.add_argument("--ranks", type=positive_int, default=4)
     p = sub.add_parser("project", help="projected all-reduce time on a P-GPU NVLink machine",

@@ -7,6 +7,7 @@ plot, size gate), not the speed. The end-to-end benchmark is `models.bench_e2e`
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -221,3 +222,17 @@ def test_byte_floor_against_hand_counted_bytes():
     assert bench.byte_floor("psum", n, 4, 4) == 2 * 4 * n * 4
     # The rescaled row reads x once more for its max.
     assert bench.byte_floor("p2p4-rescale", n, 4, 4) == round((per_value + 4) * n * 4)
+
+
+def test_time_op_stats_calls_per_iteration():
+    # K calls an iteration on K different inputs: XLA keeps all K (identical inputs would let it
+    # merge them into one call and report a K-times too short time).
+    xs = tuple(jnp.arange(1024, dtype=jnp.float32) + i for i in range(4))
+    hlo = bench.timing_loop(jnp.sin).lower(xs, 3).compile().as_text()
+    assert len(re.findall(r"= f32\[1024\]\{0\} sine\(", hlo)) == 2 * 4  # first call + loop body
+    stats = bench.time_op_stats(jnp.sin, jnp.ones(1024), iters=3, repeats=2, warmup=1,
+                                calls_per_iteration=4)
+    assert all(_finite_positive(stats[k]) for k in ("median_s", "min_s", "max_s"))
+    with pytest.raises(ValueError, match="carry_state"):
+        bench.time_op_stats(lambda v: v, (jnp.ones(8),) * 3, 1, 1, carry_state=True,
+                            calls_per_iteration=2)
