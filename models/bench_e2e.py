@@ -119,11 +119,12 @@ class BackgroundLoad:
         return False
 
 
-_MODE_RE = re.compile(r"^(psum|echo(4|8)(-comp)?)$")
+_MODE_RE = re.compile(r"^(psum|echo(4|8)(-comp(-bf16state)?)?)$")
 
 
 def parse_modes(text: str) -> list:
     """All-reduce modes of `bench e2e`: psum (exact, 16-bit), echo8, echo4, echo4-comp, ...
+    (``-comp-bf16state``: compensated with a bfloat16 state, `EchoConfig.state_dtype`).
 
     Args:
       text: comma list of modes.
@@ -134,7 +135,8 @@ def parse_modes(text: str) -> list:
     modes = [m.strip() for m in text.split(",") if m.strip()]
     for m in modes:
         if not _MODE_RE.match(m):
-            raise ValueError(f"bad mode {m!r}: use psum, echo8, echo4, echo8-comp or echo4-comp")
+            raise ValueError(f"bad mode {m!r}: use psum, echo8, echo4, echo8-comp, echo4-comp "
+                             "or echo4-comp-bf16state")
     if "psum" in modes:
         modes.remove("psum")
     return ["psum"] + modes
@@ -172,8 +174,9 @@ def _comm_for(mode: str, tp: int, transport: str):
         return CommConfig(tp=tp, axis_name="tp_noar")
     m = _MODE_RE.match(mode)
     bits, comp = int(m.group(2)), bool(m.group(3))
+    state_dtype = "bfloat16" if m.group(4) else "float32"
     return CommConfig(tp=tp, echo=EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
-                                             transport=transport))
+                                             transport=transport, state_dtype=state_dtype))
 
 
 def default_tp(model_cfg, num_devices: int) -> int:
@@ -294,6 +297,7 @@ def bench_e2e(args) -> dict:
             rows.append(dict(
                 mode=mode, load_pct=load, bits=16 if comm.echo is None else comm.echo.bits,
                 compensated=bool(comm.echo is not None and comm.echo.compensated),
+                state_dtype=comm.state_dtype,
                 ttft_s=statistics.median(tt[mode]), ttft_mean_s=statistics.fmean(tt[mode]),
                 step_s=statistics.fmean(st[mode]), step_median_s=statistics.median(st[mode]),
                 final_loss=runners[mode]["loss"]))
@@ -407,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "%(default)s)")
     p.add_argument("--modes", type=_modes_arg, default=parse_modes("psum,echo4-comp"),
                    help="all-reduce modes: psum (exact 16-bit), echo8, echo4, echo8-comp, "
-                        "echo4-comp (default: psum,echo4-comp)")
+                        "echo4-comp, echo4-comp-bf16state (a bfloat16 compensator state) "
+                        "(default: psum,echo4-comp)")
     p.add_argument("--transport", choices=("auto", "p2p", "xla"), default="auto",
                    help="Echo transport (default: %(default)s)")
     p.add_argument("--background-load", dest="loads", type=_loads_arg, default=[0.0],

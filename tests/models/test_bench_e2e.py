@@ -31,6 +31,18 @@ def test_bad_flags_are_usage_errors():
         assert info.value.code == 2
 
 
+def test_modes_name_bits_compensation_and_state_dtype():
+    assert bench_e2e.parse_modes("echo4-comp-bf16state,echo4") == ["psum", "echo4-comp-bf16state",
+                                                                  "echo4"]
+    comm = bench_e2e._comm_for("echo4-comp-bf16state", 2, "auto")
+    assert comm.echo.bits == 4 and comm.echo.compensated and comm.state_dtype == "bfloat16"
+    comm = bench_e2e._comm_for("echo8-comp", 2, "auto")
+    assert comm.echo.bits == 8 and comm.echo.compensated and comm.state_dtype == "float32"
+    assert not bench_e2e._comm_for("echo4", 2, "auto").echo.compensated
+    with pytest.raises(ValueError, match="bad mode 'echo4-bf16state'"):
+        bench_e2e.parse_modes("echo4-bf16state")
+
+
 def test_background_load_runs_at_its_duty_cycle():
     import time
     with bench_e2e.BackgroundLoad(0.5, jax.devices()[:2], 1 << 16, period_s=0.02) as bg:
