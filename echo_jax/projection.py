@@ -42,7 +42,7 @@ gather sends (P-1)/P of the reduced codes; every GPU sends and receives at once 
     T_overlapped = max(L, H) + min(L, H) / k + C * 2 alpha     (tiled pipeline; k tiles per chunk,
                    C chunks: one tile's worth of fill per chunk plus the push and gather flags)
     T_serial     = L + H + C * 2 alpha                                           (no overlap)
-  k and C follow the kernel's launch plan (ffi/p2p_cuda.cu): tiles of <= 8192 values, >= 64 tiles
+  k and C follow the kernel's launch plan (ffi/p2p_cuda.cu): tiles of <= 16384 values, >= 64 tiles
   per segment, a chunk = the tiles whose codes fit one 32 MiB receive slot (one launch per chunk).
 
 comp-fused (p2p4 with the fused compensator, Sec. 5.3): H grows by the compensator's HBM bytes,
@@ -134,7 +134,7 @@ DEFAULT_KERNELS_JSON = "results/gpu/bench_kernels.json"
 DEFAULT_ALLREDUCE_JSON = "results/gpu/bench_allreduce_h200x1-virtual4.json"
 
 #: Kernel launch plan of ffi/p2p_cuda.cu (tile and slot sizes).
-TILE_VALUES = 8192
+TILE_VALUES = 16384
 MIN_TILES_PER_SEGMENT = 64
 MAX_TILES = 16384
 SLOT_BYTES = 32 << 20

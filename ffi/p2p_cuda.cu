@@ -48,6 +48,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "echo_common.h"
@@ -64,11 +65,26 @@ namespace {
 
 constexpr int kMaxCudaRanks = 8;     // ranks of one group on one host (NVLink domain)
 constexpr int kThreads = 256;        // 8 warps per block: one group per warp at a time
-constexpr int kTileValues = 8192;    // values per tile at most (4 KiB of 4-bit codes); the
-                                     // environment's ECHO_JAX_P2P_TILE_VALUES overrides it
+// Values per tile at most (8 KiB of 4-bit codes); the environment's ECHO_JAX_P2P_TILE_VALUES
+// overrides it. Each tile costs a block barrier and a flag round trip; measured on one H200
+// (4 virtual ranks, 256 MB a rank, p2p4 fp32): 4096 1.172, 8192 0.952-1.027, 16384 0.904,
+// 32768 0.918, 65536 0.928 ms (at 64 MB 65536 was 25 % slower: too few tiles to spread).
+constexpr int kTileValues = 16384;
 constexpr int kMinTilesPerSegment = 64;
 constexpr int kMaxTiles = 16384;     // flag words per (peer, stage) in a workspace
 constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce stage
+// Blocks of kThreads an SM that ptxas must fit in the uncompensated unrotated fast instances
+// (FastStages::kMinBlocks; a build may override them): 6 (40 registers) for fp32, 5 (48) for
+// 16-bit x, against 5 (48) and 4 (64) that ptxas picks by itself. Measured on one H200, 4 virtual
+// ranks, 256 MB a rank: p2p4 1.027 -> 0.961 ms (fp32, no spills), 1.533 -> 1.421 ms (bf16, with
+// 28-40 bytes of spills a thread). The pipeline waits on memory with few bytes in flight a warp,
+// so more resident warps pay.
+#ifndef ECHO_P2P_MIN_BLOCKS_32
+#define ECHO_P2P_MIN_BLOCKS_32 6
+#endif
+#ifndef ECHO_P2P_MIN_BLOCKS_16
+#define ECHO_P2P_MIN_BLOCKS_16 5
+#endif
 
 // Error codes written to the host-mapped error word (1 + stage * 256 + peer).
 enum Stage : int { kStagePush = 0, kStageGather = 1 };
@@ -92,8 +108,11 @@ struct KernelArgs {
   int* error;          // host-mapped error word of this rank
   bool aligned;        // x, y, m1, m2 all aligned to 16 bytes: 128-bit accesses allowed
   bool state_bf16;     // m1, m2 are bf16 (EchoConfig.state_dtype): widened on load, rounded
-                       // to nearest even on store; a uniform branch, so no kernel instances more
+                       // to nearest even on store; a uniform branch in the generic stages, a
+                       // template parameter of the fast ones (FastStages' S)
   float rot_scale;     // fp32(1 / sqrt(g)) of the Hadamard rotation (rotated kernels only)
+  int twice;           // a diagnostic (repeat_stage_from_env): 1, 2, 3 run push, reduce + gather
+                       // or tail twice (uncompensated calls only), 0 none
   CompCoeffs k;
   uint8_t* ws[kMaxCudaRanks];  // workspace base of every rank (peer pointers)
 };
@@ -383,6 +402,7 @@ __device__ void tail_group(const KernelArgs& a, int seg, int64_t grp, int64_t lo
 // The generic stages over a tile: one warp per group, g / bits / policy at run time (any g).
 template <typename T, int VEC, bool COMP>
 struct GenericStages {
+  static constexpr int kMinBlocks = 1;  // __launch_bounds__' second argument
   __device__ static void setup() {}
   __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
@@ -407,6 +427,7 @@ constexpr int kMaxRotatedGroup = 1024;
 template <typename T, bool COMP>
 struct RotatedGenericStages {
   static constexpr int VEC = 2;  // g >= 2 and even: two values a chunk (one byte of 4-bit codes)
+  static constexpr int kMinBlocks = 1;
 
   __device__ static void setup() {}
 
@@ -567,14 +588,27 @@ struct RotatedGenericStages {
 // 118-191 a thread, for group sizes few use); every other call runs the generic stages.
 // ROT: the Hadamard rotation of every group after the entry loads and before the output stores,
 // in registers and shuffles (quant_fast.cuh), the sign masks of the lanes in shared memory.
-template <typename T, int G, int BITS, bool COMP, bool ROT>
+// S: the compensator state's element type (float or __nv_bfloat16; float when !COMP), a template
+// parameter rather than KernelArgs::state_bf16 because the run-time branch kept both paths' live
+// ranges and took the fp32-state instance from 64 to 80 registers (g = 128, sm_90a).
+template <typename T, int G, int BITS, bool COMP, bool ROT, typename S = float>
 struct FastStages {
   // Two loads a lane: the stages hold a piece's values, state and output at once (registers).
-  using L = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, 2>()>;
+  // One in the unrotated compensated 16-bit instances: with two, their update's prefetched
+  // x, m1, m2 (3 x 16 values a lane) took 123-126 registers (2 blocks an SM), with one 64;
+  // measured (one H200, 4 virtual ranks, bf16 x, 256 MB a rank): fused compensator 5.180 ->
+  // 4.428 ms, with a bf16 state 4.529 -> 3.425 ms. The uncompensated 16-bit instances keep two
+  // (one load: p2p4 1.533 -> 1.620 ms).
+  static constexpr int kLoadsPerLane = sizeof(T) == 2 && COMP && !ROT ? 1 : 2;
+  using L = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, kLoadsPerLane>()>;
   static constexpr int kVec = L::kVec, kLanes = L::kLanes, kLoads = L::kLoads;
   static constexpr int kGpw = L::kGroupsPerWarp;
   static constexpr int kPieceBytes = kVec * BITS / 8;
   static constexpr int kCodeBytes = G * BITS / 8;
+  // Blocks of kThreads an SM that ptxas must fit (__launch_bounds__; kernel_of), uncompensated
+  // and unrotated instances only (ECHO_P2P_MIN_BLOCKS_32 / _16); 1: no bound.
+  static constexpr int kMinBlocks =
+      COMP || ROT ? 1 : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);
 
   // Lane j's sign mask (fast::hadamard_sign_mask), computed once a block: the hash costs
   // ~25 instructions a value, too much to repeat for every tile.
@@ -593,17 +627,20 @@ struct FastStages {
     return 0;
   }
 
+  static constexpr bool kStateBf16 = std::is_same_v<S, __nv_bfloat16>;
+  static_assert(kStateBf16 || std::is_same_v<S, float>, "the state is float or bfloat16");
+
   // kVec values of m (m1 or m2) at element e as fp32; 0 past n. A bf16 state (kVec * 2 bytes:
   // one 8- or 16-byte access) is widened exactly.
   __device__ static void load_state(const KernelArgs& a, const void* m, int64_t e, float* v) {
-    if (a.state_bf16)
+    if constexpr (kStateBf16)
       load_vec<__nv_bfloat16, kVec>(static_cast<const __nv_bfloat16*>(m), e, a.n, v);
     else
       load_state_f32(static_cast<const float*>(m), e, a.n, v);
   }
   // kVec fp32 values stored at element e (a bf16 state rounded to nearest even); none past n.
   __device__ static void store_state(const KernelArgs& a, void* m, int64_t e, const float* v) {
-    if (a.state_bf16)
+    if constexpr (kStateBf16)
       store_vec<__nv_bfloat16, kVec>(static_cast<__nv_bfloat16*>(m), e, a.n, v);
     else
       store_state_f32(static_cast<float*>(m), e, a.n, v);
@@ -988,9 +1025,10 @@ struct FastStages {
 };
 
 // One rank's pipeline: push, reduce + gather, tail over the tiles of this chunk (Stages: the
-// generic or the fast stages; T: the contribution's dtype, for the poisoned output).
+// generic or the fast stages; T: the contribution's dtype, for the poisoned output). The body of
+// both kernels below.
 template <class Stages, typename T>
-__global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) {
+__device__ __forceinline__ void allreduce_pipeline(const KernelArgs& a) {
   __shared__ int give_up;
   const int warp = threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
@@ -1008,8 +1046,13 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
     return static_cast<int>(min(static_cast<int64_t>(a.tile_groups), a.seg_groups - *first));
   };
 
+  // a.twice (the stage-cost diagnostic) runs a stage's items twice: item i and i + items are the
+  // same work (the same bytes written again). Not a loop around the stage: that raised the
+  // registers (fp32 48 -> 72 a thread, ptxas sm_90a).
+  const int push_items = others * ct;
   // push
-  for (int item = blockIdx.x; item < others * ct; item += gridDim.x) {
+  for (int pitem = blockIdx.x; pitem < (a.twice == 1 ? 2 : 1) * push_items; pitem += gridDim.x) {
+    const int item = pitem < push_items ? pitem : pitem - push_items;
     const int j = item / ct;
     const int seg = j < a.me ? j : j + 1;
     const int t = item % ct;
@@ -1024,7 +1067,8 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
   }
 
   // reduce + gather
-  for (int t = blockIdx.x; t < ct; t += gridDim.x) {
+  for (int rt = blockIdx.x; rt < (a.twice == 2 ? 2 : 1) * ct; rt += gridDim.x) {
+    const int t = rt < ct ? rt : rt - ct;
     if (threadIdx.x < a.P && threadIdx.x != a.me) {
       if (!wait_flag(a, flag_ptr(a, a.me, kStagePush, threadIdx.x, t), a.base, kStagePush,
                      threadIdx.x))
@@ -1041,7 +1085,9 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
   }
 
   // tail
-  for (int item = blockIdx.x; item < others * ct && !give_up; item += gridDim.x) {
+  for (int titem = blockIdx.x; titem < (a.twice == 3 ? 2 : 1) * push_items && !give_up;
+       titem += gridDim.x) {
+    const int item = titem < push_items ? titem : titem - push_items;
     const int j = item / ct;
     const int seg = j < a.me ? j : j + 1;
     const int t = item % ct;
@@ -1063,6 +1109,27 @@ __global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) 
          i += static_cast<int64_t>(gridDim.x) * blockDim.x)
       y[i] = from_f32<T>(__int_as_float(0x7fc00000));
   }
+}
+
+// Two kernels over the same pipeline, because a second __launch_bounds__ argument of 1 is not
+// "no bound" to ptxas: it raised the registers (fp32 uncompensated 48 -> 64, compensated
+// 80 -> 104 a thread, g = 128). So only the instances whose Stages::kMinBlocks asks for more than
+// one block an SM get one (echo_allreduce_kernel_bounded).
+template <class Stages, typename T>
+__global__ void __launch_bounds__(kThreads) echo_allreduce_kernel(KernelArgs a) {
+  allreduce_pipeline<Stages, T>(a);
+}
+template <class Stages, typename T>
+__global__ void __launch_bounds__(kThreads, Stages::kMinBlocks)
+    echo_allreduce_kernel_bounded(KernelArgs a) {
+  allreduce_pipeline<Stages, T>(a);
+}
+
+// The kernel of a Stages: the bounded one where Stages::kMinBlocks > 1.
+template <class Stages, typename T>
+constexpr void (*kernel_of())(KernelArgs) {
+  if constexpr (Stages::kMinBlocks > 1) return echo_allreduce_kernel_bounded<Stages, T>;
+  else return echo_allreduce_kernel<Stages, T>;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1089,6 +1156,19 @@ int64_t env_int(const char* name, int64_t fallback) {
 // group of P ranks takes 2 * P * slot bytes per device plus ~2 MiB of flags; messages whose
 // segment codes do not fit a slot run in several chunks.
 int64_t slot_bytes_from_env() { return std::max<int64_t>(1, env_int("ECHO_JAX_SLOT_MB", 32)) << 20; }
+
+// A diagnostic for placing time inside the kernel without hardware counters:
+// ECHO_JAX_P2P_REPEAT_STAGE = push | reduce | tail runs that stage twice in every uncompensated
+// call (the same bytes written twice, so the result is unchanged); the time a call gains is the
+// stage's cost. Unset (or anything else): 0, each stage once. Read once a process.
+int repeat_stage_from_env() {
+  static const int stage = [] {
+    const char* v = std::getenv("ECHO_JAX_P2P_REPEAT_STAGE");
+    const std::string s = v == nullptr ? "" : v;
+    return s == "push" ? 1 : s == "reduce" ? 2 : s == "tail" ? 3 : 0;
+  }();
+  return stage;
+}
 
 struct LaunchPlan {
   int tile_groups = 1;
@@ -1216,7 +1296,7 @@ LaunchPlan make_plan(const Group& grp, const CallAttrs& at, int64_t seg_groups, 
   return pl;
 }
 
-// Launches `kernel` (an echo_allreduce_kernel instance) for one rank, one launch per chunk of
+// Launches `kernel` (an echo_allreduce_kernel(_bounded) instance) for one rank, one launch per chunk of
 // tiles, with the schedule of the cache (computed at the first call of this shape).
 ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at,
                   void (*kernel)(KernelArgs), const void* x, void* y, void* m1, void* m2,
@@ -1249,6 +1329,7 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
   a.aligned = aligned;
   a.state_bf16 = at.state_bf16;
   a.rot_scale = at.rotate ? hadamard_scale(at.g) : 1.0f;
+  a.twice = m1 == nullptr ? repeat_stage_from_env() : 0;  // a compensated update is not idempotent
   a.k = at.k;
   for (int r = 0; r < at.P; ++r) a.ws[r] = grp.ws[r];
   for (int64_t t0 = 0; t0 < pl.tiles_per_segment; t0 += pl.chunk_tiles) {
@@ -1261,20 +1342,33 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
   return ffi::Error::Success();
 }
 
-// The fast kernel instance for (T, g, bits, COMP, ROT), or nullptr when g has none.
-template <typename T, bool COMP, bool ROT, int BITS, int... Gs>
+// The fast kernel instance for (T, g, bits, COMP, ROT, state type S), or nullptr when g has none.
+template <typename T, bool COMP, bool ROT, typename S, int BITS, int... Gs>
 void (*fast_kernel_for(int g))(KernelArgs) {
   void (*kernel)(KernelArgs) = nullptr;
-  ((g == Gs ? (kernel = echo_allreduce_kernel<FastStages<T, Gs, BITS, COMP, ROT>, T>, true)
+  ((g == Gs ? (kernel = kernel_of<FastStages<T, Gs, BITS, COMP, ROT, S>, T>(), true)
             : false) ||
    ...);
   return kernel;
 }
 
-template <typename T, bool COMP, bool ROT>
+template <typename T, bool COMP, bool ROT, typename S = float>
 void (*fast_kernel_for_bits(int bits, int g))(KernelArgs) {
-  return bits == 4 ? fast_kernel_for<T, COMP, ROT, 4, 32, 64, 128, 256>(g)
-                   : fast_kernel_for<T, COMP, ROT, 8, 32, 64, 128, 256>(g);
+  return bits == 4 ? fast_kernel_for<T, COMP, ROT, S, 4, 32, 64, 128, 256>(g)
+                   : fast_kernel_for<T, COMP, ROT, S, 8, 32, 64, 128, 256>(g);
+}
+
+// The fast instance for a call: rotated or not, and for a compensated call its state's type
+// (only compensated calls have bf16-state instances).
+template <typename T, bool COMP>
+void (*fast_kernel_for_call(const CallAttrs& at))(KernelArgs) {
+  if constexpr (COMP) {
+    if (at.state_bf16)
+      return at.rotate ? fast_kernel_for_bits<T, COMP, true, __nv_bfloat16>(at.bits, at.g)
+                       : fast_kernel_for_bits<T, COMP, false, __nv_bfloat16>(at.bits, at.g);
+  }
+  return at.rotate ? fast_kernel_for_bits<T, COMP, true>(at.bits, at.g)
+                   : fast_kernel_for_bits<T, COMP, false>(at.bits, at.g);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -1290,8 +1384,7 @@ ffi::Error run_rank(Group& grp, int rank, cudaStream_t stream, const CallAttrs& 
       aligned16(x) && aligned16(y) && (m1 == nullptr || (aligned16(m1) && aligned16(m2)));
   void (*kernel)(KernelArgs) = nullptr;
   if (fast_ok && aligned && fast::has_fast_policy(at.policy) && !fast::generic_kernels_forced()) {
-    kernel = at.rotate ? fast_kernel_for_bits<T, COMP, true>(at.bits, at.g)
-                       : fast_kernel_for_bits<T, COMP, false>(at.bits, at.g);
+    kernel = fast_kernel_for_call<T, COMP>(at);
   }
   if (kernel == nullptr && at.rotate) {
     kernel = echo_allreduce_kernel<RotatedGenericStages<T, COMP>, T>;

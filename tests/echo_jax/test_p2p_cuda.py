@@ -8,7 +8,10 @@ bit. Marked `gpu`: skipped without an NVIDIA GPU; run on the device machine.
   meshes with two axes; each test skips, saying how many GPUs it needs, where there are fewer.
 """
 
+import os
 import re
+import subprocess
+import sys
 import time
 
 import jax
@@ -302,16 +305,16 @@ def test_missing_peer_times_out_with_a_clear_error(cuda, monkeypatch):
     P = 5 is a virtual group no other GPU test uses: tests of other files that run later in the
     same process (pytest -m gpu tests/) would otherwise meet the broken group.
 
-    Size: 2048 tiles per segment (8192 values each), more than the blocks of one virtual rank
+    Size: 1024 tiles per segment (16384 values each), more than the blocks of one virtual rank
     that can be resident (at most 8 blocks of 256 threads per SM, shared by 5 ranks), so every
     block of the waiting ranks waits in the reduce stage for rank 4's push: the stage and the
     peer of the message are determined, and every block reaches the poisoning. Which of ranks 0
     to 3 times out first is not, so the message may name any of them."""
     timeout_s = 0.3
     monkeypatch.setenv(cuda.TIMEOUT_ENV, str(timeout_s))
-    cfg = ej.EchoConfig(bits=4)           # g = 128: 64 groups of 128 per tile
+    cfg = ej.EchoConfig(bits=4)           # g = 128: 128 groups of 128 per tile
     ranks, absent = 5, 4                  # P = 5: a virtual group no other test uses
-    n = ranks * 2048 * 8192               # 84M fp32 values per rank
+    n = ranks * 1024 * 16384              # 84M fp32 values per rank
     x = jax.random.normal(jax.random.key(2), (ranks, n))
     small = jax.random.normal(jax.random.key(3), (ranks, 1000))
     broken = jax.jit(lambda v: cuda.virtual_allreduce(v, cfg, absent_rank=absent)).lower(
@@ -563,3 +566,29 @@ def test_rank_results_are_typed_like_the_xla_transport(cuda, mesh_shape, comp):
         text = f.lower(*args).as_text()
     assert RANK_TARGETS[comp] in text, "the p2p half did not take the custom call"
     assert seen["p2p"] == seen["xla"], f"varying axes, p2p: {seen['p2p']}, xla: {seen['xla']}"
+
+
+_REPEAT_CHILD = """
+import jax, jax.numpy as jnp, numpy as np
+import echo_jax as ej
+from echo_jax import p2p_cuda
+for dtype in (jnp.float32, jnp.bfloat16):
+    x = jax.random.normal(jax.random.key(7), (4, 3 * 128 * 1024 + 640)).astype(dtype)
+    cfg = ej.EchoConfig(bits=4)
+    got = p2p_cuda.virtual_allreduce(x, cfg)
+    want = jax.vmap(lambda v: ej.echo_psum(v, "tp", config=cfg.replace(transport="xla"),
+                                           rescale=False), axis_name="tp")(x)
+    assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)), dtype
+print("same bits")
+"""
+
+
+@pytest.mark.parametrize("stage", ["push", "reduce", "tail"])
+def test_repeat_stage_diagnostic_keeps_the_result(cuda, stage):
+    # ECHO_JAX_P2P_REPEAT_STAGE (read once per process) runs one stage twice: the same bytes
+    # written again, so the all-reduce's result must not change. A fresh process per stage; this
+    # one holds most of the GPU's memory (JAX preallocates), so the child allocates on use.
+    env = dict(os.environ, ECHO_JAX_P2P_REPEAT_STAGE=stage, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    r = subprocess.run([sys.executable, "-c", _REPEAT_CHILD], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "same bits" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

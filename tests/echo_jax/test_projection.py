@@ -94,11 +94,11 @@ def test_pipelined_time():
 
 
 def test_launch_plan_follows_the_kernel():
-    # 1 GiB of bf16 at P = 4: 2^20 groups per segment, 64-group tiles (8192 values): 16384 tiles;
-    # a 32 MiB slot holds (2^25 - 64) // 68 // 64 = 7710 tiles: 3 chunks.
-    assert pj.launch_plan(2**29, 4, 4) == (7710, 3)
-    # 8 bits: 132 B per group, (2^25 - 64) // 132 // 64 = 3971 tiles a chunk: 5 chunks.
-    assert pj.launch_plan(2**29, 4, 8) == (3971, 5)
+    # 1 GiB of bf16 at P = 4: 2^20 groups per segment, 128-group tiles (16384 values): 8192
+    # tiles; a 32 MiB slot holds (2^25 - 64) // 68 // 128 = 3855 tiles: 3 chunks.
+    assert pj.launch_plan(2**29, 4, 4) == (3855, 3)
+    # 8 bits: 132 B per group, (2^25 - 64) // 132 // 128 = 1985 tiles a chunk: 5 chunks.
+    assert pj.launch_plan(2**29, 4, 8) == (1985, 5)
     # A small message: >= 64 tiles per segment, one chunk.
     k, c = pj.launch_plan(4 * 128 * 64, 4, 4)
     assert (k, c) == (64, 1)
