@@ -76,9 +76,9 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 // Blocks of kThreads an SM that ptxas must fit in the uncompensated unrotated fast instances
 // (FastStages::kMinBlocks; a build may override them): 6 (40 registers) for fp32, 5 (48) for
 // 16-bit x, against 5 (48) and 4 (64) that ptxas picks by itself. Measured on one H200, 4 virtual
-// ranks, 256 MB a rank: p2p4 1.027 -> 0.961 ms (fp32, no spills), 1.533 -> 1.421 ms (bf16, with
-// 28-40 bytes of spills a thread). The pipeline waits on memory with few bytes in flight a warp,
-// so more resident warps pay.
+// ranks, 256 MB a rank: p2p4 1.027 -> 0.961 ms (fp32), 1.533 -> 1.421 ms (bf16). Both spill a
+// little (ptxas: fp32 12-16 bytes a thread, 16-bit 28-52; the fp32 build measured had none).
+// The pipeline waits on memory with few bytes in flight a warp, so more resident warps pay.
 #ifndef ECHO_P2P_MIN_BLOCKS_32
 #define ECHO_P2P_MIN_BLOCKS_32 6
 #endif
@@ -589,8 +589,10 @@ struct RotatedGenericStages {
 // ROT: the Hadamard rotation of every group after the entry loads and before the output stores,
 // in registers and shuffles (quant_fast.cuh), the sign masks of the lanes in shared memory.
 // S: the compensator state's element type (float or __nv_bfloat16; float when !COMP), a template
-// parameter rather than KernelArgs::state_bf16 because the run-time branch kept both paths' live
-// ranges and took the fp32-state instance from 64 to 80 registers (g = 128, sm_90a).
+// parameter rather than KernelArgs::state_bf16: the run-time branch kept both paths' live ranges
+// (the rotated fp32 compensated instance 64 -> 80 registers, g = 128, sm_90a), and with it the
+// bf16 state was not faster than the fp32 one (one H200: 2.750 against 2.665 ms, fp32 x, 4
+// virtual ranks, 256 MB a rank; as a template parameter 2.390 against 2.615).
 template <typename T, int G, int BITS, bool COMP, bool ROT, typename S = float>
 struct FastStages {
   // Two loads a lane: the stages hold a piece's values, state and output at once (registers).
@@ -1296,8 +1298,8 @@ LaunchPlan make_plan(const Group& grp, const CallAttrs& at, int64_t seg_groups, 
   return pl;
 }
 
-// Launches `kernel` (an echo_allreduce_kernel(_bounded) instance) for one rank, one launch per chunk of
-// tiles, with the schedule of the cache (computed at the first call of this shape).
+// Launches `kernel` (an echo_allreduce_kernel(_bounded) instance) for one rank, one launch per
+// chunk of tiles, with the schedule of the cache (computed at the first call of this shape).
 ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at,
                   void (*kernel)(KernelArgs), const void* x, void* y, void* m1, void* m2,
                   int64_t n, bool aligned, int ranks_on_device) {
