@@ -568,27 +568,78 @@ def test_rank_results_are_typed_like_the_xla_transport(cuda, mesh_shape, comp):
     assert seen["p2p"] == seen["xla"], f"varying axes, p2p: {seen['p2p']}, xla: {seen['xla']}"
 
 
+# The children import the reference from the tests' conftest (the path passed in argv[1]).
 _REPEAT_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp, numpy as np
 import echo_jax as ej
 from echo_jax import p2p_cuda
+from conftest import reference_allreduce
 for dtype in (jnp.float32, jnp.bfloat16):
     x = jax.random.normal(jax.random.key(7), (4, 3 * 128 * 1024 + 640)).astype(dtype)
     cfg = ej.EchoConfig(bits=4)
     got = p2p_cuda.virtual_allreduce(x, cfg)
-    want = jax.vmap(lambda v: ej.echo_psum(v, "tp", config=cfg.replace(transport="xla"),
-                                           rescale=False), axis_name="tp")(x)
+    want = reference_allreduce(x, cfg)
     assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)), dtype
 print("same bits")
 """
 
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_child(code, **env_vars):
+    # A fresh process per setting (the variables are read once per process); this one holds
+    # most of the GPU's memory (JAX preallocates), so the child allocates on use.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", **env_vars)
+    return subprocess.run([sys.executable, "-c", code, TESTS_DIR], env=env, capture_output=True,
+                          text=True, timeout=300)
+
 
 @pytest.mark.parametrize("stage", ["push", "reduce", "tail"])
 def test_repeat_stage_diagnostic_keeps_the_result(cuda, stage):
-    # ECHO_JAX_P2P_REPEAT_STAGE (read once per process) runs one stage twice: the same bytes
-    # written again, so the all-reduce's result must not change. A fresh process per stage; this
-    # one holds most of the GPU's memory (JAX preallocates), so the child allocates on use.
-    env = dict(os.environ, ECHO_JAX_P2P_REPEAT_STAGE=stage, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    r = subprocess.run([sys.executable, "-c", _REPEAT_CHILD], env=env, capture_output=True,
-                       text=True, timeout=300)
+    # ECHO_JAX_P2P_REPEAT_STAGE runs one stage twice: the same bytes written again, so the
+    # all-reduce's result must not change.
+    r = run_child(_REPEAT_CHILD, ECHO_JAX_P2P_REPEAT_STAGE=stage)
+    assert r.returncode == 0 and "same bits" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+_SCHEDULE_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp, numpy as np
+import echo_jax as ej
+from echo_jax import p2p_cuda
+from conftest import reference_allreduce
+
+def same(a, b, what):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), what
+
+rng = np.random.default_rng(3)
+# Odd rows (the generic stages); 5 Mi values at P = 2 take two launches with 1 MiB slots.
+for P, dtype, n in ((2, jnp.float32, 300007), (2, jnp.float32, 5 << 20),
+                    (4, jnp.bfloat16, 3 * 65536 + 128), (8, jnp.float32, 1 << 18)):
+    cfg = ej.EchoConfig(bits=4)
+    x = jnp.asarray(rng.standard_normal((P, n)), jnp.float32).astype(dtype)
+    st = ej.CompensatorState(jnp.asarray(0.1 * rng.standard_normal((P, n)), jnp.float32),
+                             jnp.asarray(-0.05 * rng.standard_normal((P, n)), jnp.float32))
+    for _ in range(2):  # a second call starts from the counters the first one left
+        same(p2p_cuda.virtual_allreduce(x, cfg), reference_allreduce(x, cfg), f"P={P} y")
+    y, new = p2p_cuda.virtual_allreduce(x, cfg, st)
+    ry, rnew = reference_allreduce(x, cfg, st)
+    same(y, ry, f"P={P} compensated y")  # an item run twice would update the state twice
+    same(new.m1, rnew.m1, f"P={P} m1")
+    same(new.m2, rnew.m2, f"P={P} m2")
+print("same bits")
+"""
+
+
+@pytest.mark.parametrize("lag", ["0", "1", "3", "100000"])
+def test_staggered_schedule_keeps_the_result(cuda, lag):
+    # ECHO_JAX_P2P_LAG_STEPS sets the steps between a tile's push and its reduce (0: in the same
+    # step; 100000: all pushes first). Small tiles and slots, so that a call has many tiles and
+    # several launches (chunks): every item is claimed once, whatever the interleaving.
+    r = run_child(_SCHEDULE_CHILD, ECHO_JAX_P2P_LAG_STEPS=lag, ECHO_JAX_P2P_TILE_VALUES="2048",
+                  ECHO_JAX_SLOT_MB="1")
     assert r.returncode == 0 and "same bits" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
