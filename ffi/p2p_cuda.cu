@@ -85,9 +85,6 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_MIN_BLOCKS_16
 #define ECHO_P2P_MIN_BLOCKS_16 5
 #endif
-#ifndef ECHO_P2P_MIN_BLOCKS_OTHER
-#define ECHO_P2P_MIN_BLOCKS_OTHER 4
-#endif
 
 // Error codes written to the host-mapped error word (1 + stage * 256 + peer).
 enum Stage : int { kStagePush = 0, kStageGather = 1 };
@@ -114,18 +111,13 @@ struct KernelArgs {
                        // to nearest even on store; a uniform branch in the generic stages, a
                        // template parameter of the fast ones (FastStages' S)
   float rot_scale;     // fp32(1 / sqrt(g)) of the Hadamard rotation (rotated kernels only)
-  int claim_dynamic;   // 1: blocks claim items from a counter, 0: block b takes b, b + grid, ..
-  unsigned poll_max_ns;  // longest sleep between two polls of a flag (the back-off's cap)
-  int lag;             // steps between a tile's push and its reduce, its reduce and its tails
-                       // (allreduce_pipeline's staggered schedule)
   int twice;           // a diagnostic (repeat_stage_from_env): 1, 2, 3 run push, reduce + gather
                        // or tail twice (uncompensated calls only), 0 none
   CompCoeffs k;
   uint8_t* ws[kMaxCudaRanks];  // workspace base of every rank (peer pointers)
 };
 
-// Workspace layout (per rank): P push slots, P gather slots, then the flags, the abort word and
-// the work counters.
+// Workspace layout (per rank): P push slots, P gather slots, then the flags and the abort word.
 __host__ __device__ inline int64_t push_slot(int src, int64_t slot_bytes) { return src * slot_bytes; }
 __host__ __device__ inline int64_t gather_slot(int owner, int P, int64_t slot_bytes) {
   return (P + owner) * slot_bytes;
@@ -147,18 +139,12 @@ __device__ __forceinline__ uint64_t* flag_ptr(const KernelArgs& a, int rank, int
 __device__ __forceinline__ volatile unsigned* abort_ptr(const KernelArgs& a, int rank) {
   return reinterpret_cast<volatile unsigned*>(a.ws[rank] + abort_offset(a.P, a.slot_bytes));
 }
-// This rank's work counters after the abort word: [0] the next item to claim, [1] the blocks
-// finished (allreduce_pipeline; both 0 between launches).
-__device__ __forceinline__ unsigned* work_counters(const KernelArgs& a) {
-  return reinterpret_cast<unsigned*>(a.ws[a.me] + abort_offset(a.P, a.slot_bytes) + 64);
-}
 
 // Polls a flag until it reaches `want`; false on timeout or when another block gave up. On a
 // timeout it records which stage waited for which peer and tells every rank to stop.
 __device__ bool wait_flag(const KernelArgs& a, const uint64_t* f, uint64_t want, int stage,
                           int peer) {
   const uint64_t start = global_timer_ns();
-  unsigned sleep_ns = 32;
   while (ld_acquire_sys(f) < want) {
     if (*abort_ptr(a, a.me) == a.base) return false;
     if (global_timer_ns() - start > a.timeout_ns) {
@@ -167,8 +153,7 @@ __device__ bool wait_flag(const KernelArgs& a, const uint64_t* f, uint64_t want,
       __threadfence_system();
       return false;
     }
-    __nanosleep(sleep_ns);
-    sleep_ns = min(2 * sleep_ns, a.poll_max_ns);
+    __nanosleep(64);
   }
   return true;
 }
@@ -625,8 +610,7 @@ struct FastStages {
   // Blocks of kThreads an SM that ptxas must fit (__launch_bounds__; kernel_of), uncompensated
   // and unrotated instances only (ECHO_P2P_MIN_BLOCKS_32 / _16); 1: no bound.
   static constexpr int kMinBlocks =
-      !COMP && !ROT ? (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16)
-      : (COMP && (sizeof(T) == 2) != ROT) || (!COMP && ROT) ? ECHO_P2P_MIN_BLOCKS_OTHER : 1;
+      COMP || ROT ? 1 : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);
 
   // Lane j's sign mask (fast::hadamard_sign_mask), computed once a block: the hash costs
   // ~25 instructions a value, too much to repeat for every tile.
@@ -1042,128 +1026,81 @@ struct FastStages {
   }
 };
 
-// One rank's pipeline (Stages: the generic or the fast stages; T: the contribution's dtype, for
-// the poisoned output); the body of both kernels below.
-//
-// The staggered schedule (the Echo paper's Fig. 2b): the work items of a call (push of segment j
-// tile t, reduce + gather of tile t, tail of segment j tile t) are numbered in steps; step s holds
-// the pushes of tile s, the reduce of tile s - lag and the tails of tile s - 2 lag, so the stages
-// of different tiles run at once and the link is written during reduce and tail too. The blocks
-// claim items in that order from a counter in the workspace (dynamic, so a block that waited or
-// had a short tile takes the next item: with a static grid stride, 256 reduce items on 198 blocks,
-// 64 MB fp32, took two rounds). No deadlock: an item only waits for items of smaller number (of
-// any rank, all ranks number alike), and a number is claimed only after every smaller one of the
-// same rank was claimed by a running block, so the smallest unfinished item always proceeds.
-// lag = chunk tiles is the unstaggered order (all pushes, all reduces, all tails).
-// A claimed item of the staggered schedule, decoded by thread 0 for its block.
-struct Job {
-  unsigned item;  // its number
-  int stage;  // kJobNone (a step's edge: no tile), kJobPush, kJobReduce, kJobTail, kJobDone
-  int seg;    // the segment (push, tail)
-  int tile;   // the chunk's tile
-};
-enum : int { kJobNone = 0, kJobPush = 1, kJobReduce = 2, kJobTail = 3, kJobDone = 4 };
-
-// Item k of the schedule: step s = k / per_step holds the pushes of tile s (one a peer's
-// segment), the reduce of tile s - lag and the tails of tile s - 2 lag. a.twice (the stage-cost
-// diagnostic) lists a stage's items twice (the same work, the same bytes written again).
-__device__ Job decode_item(const KernelArgs& a, unsigned k) {
-  const int others = a.P - 1;
-  const int n_push = others * (a.twice == 1 ? 2 : 1);
-  const int n_reduce = a.twice == 2 ? 2 : 1;
-  const int per_step = n_push + n_reduce + others * (a.twice == 3 ? 2 : 1);
-  if (k >= static_cast<unsigned>(a.chunk_tiles + 2 * a.lag) * per_step) return {k, kJobDone, 0, 0};
-  const int step = static_cast<int>(k / per_step);
-  const int r = static_cast<int>(k % per_step);
-  Job job{k, kJobNone, 0, 0};
-  int j = 0;
-  if (r < n_push) {
-    job = {k, kJobPush, 0, step};
-    j = r % others;
-  } else if (r < n_push + n_reduce) {
-    job = {k, kJobReduce, a.me, step - a.lag};
-  } else {
-    job = {k, kJobTail, 0, step - 2 * a.lag};
-    j = (r - n_push - n_reduce) % others;
-  }
-  if (job.stage != kJobReduce) job.seg = j < a.me ? j : j + 1;
-  if (job.tile < 0 || job.tile >= a.chunk_tiles) job.stage = kJobNone;
-  return job;
-}
-
-// One rank's pipeline (Stages: the generic or the fast stages; T: the contribution's dtype, for
-// the poisoned output); the body of both kernels below.
-//
-// The staggered schedule (the Echo paper's Fig. 2b): the work items of a call (push of segment j
-// tile t, reduce + gather of tile t, tail of segment j tile t) are numbered in steps (decode_item);
-// step s holds the pushes of tile s, the reduce of tile s - lag and the tails of tile s - 2 lag,
-// so the stages of different tiles run at once and the link is written during reduce and tail
-// too. The blocks claim items in that order from a counter in the workspace (dynamic, so a block
-// that waited or had a short tile takes the next item: with a static grid stride, 256 reduce
-// items on 198 blocks, 64 MB fp32, took two rounds). No deadlock: an item only waits for items of
-// smaller number (of any rank: all ranks number alike), and a number is claimed only after every
-// smaller one of the same rank was claimed by a running block, so the smallest unfinished item
-// always proceeds. lag = chunk tiles is the unstaggered order (all pushes, reduces, tails).
-// Thread 0 claims and decodes; the others only read the Job from shared memory, so the loop adds
-// no live registers to the stages (decoding in every thread raised the compensated 16-bit
-// instances from 64 to 78 registers, ptxas sm_90a).
+// One rank's pipeline: push, reduce + gather, tail over the tiles of this chunk (Stages: the
+// generic or the fast stages; T: the contribution's dtype, for the poisoned output). The body of
+// both kernels below.
 template <class Stages, typename T>
 __device__ __forceinline__ void allreduce_pipeline(const KernelArgs& a) {
   __shared__ int give_up;
-  __shared__ Job job_shared;
   const int warp = threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   const int warps = blockDim.x / kWarp;
-  unsigned* counters = work_counters(a);
-  if (threadIdx.x == 0) {
-    give_up = 0;
-    job_shared = decode_item(a, a.claim_dynamic ? atomicAdd(&counters[0], 1u) : blockIdx.x);
-  }
+  const int others = a.P - 1;
+  const int ct = a.chunk_tiles;
+  if (threadIdx.x == 0) give_up = 0;
   set_scaling(a);
   Stages::setup();
   __syncthreads();
 
-  for (;;) {
-    const Job job = job_shared;
-    if (job.stage == kJobDone || give_up) break;
-    __syncthreads();  // every thread read the job before thread 0 replaces it
-    unsigned next = 0;
-    if (threadIdx.x == 0)  // in flight during the work
-      next = a.claim_dynamic ? atomicAdd(&counters[0], 1u) : job.item + gridDim.x;
-    const int t = job.tile;
-    // Tile t of the chunk covers segment groups [(tile0 + t) * TG, ...) clipped to Gs.
-    const int64_t first = (a.tile0 + t) * a.tile_groups;
-    const int count = static_cast<int>(min(static_cast<int64_t>(a.tile_groups), a.seg_groups - first));
-    const int64_t local0 = static_cast<int64_t>(t) * a.tile_groups;
-    if (job.stage == kJobPush) {
-      Stages::push(a, job.seg, first, count, local0, warp, warps, lane);
-      // The barrier, then one system-scope release store: the release is cumulative, so it
-      // publishes every write the block made before the barrier (the pattern of a grid
-      // barrier). A system fence in each of the 256 threads per tile cost more than it is worth.
-      __syncthreads();
-      if (threadIdx.x == 0) st_release_sys(flag_ptr(a, job.seg, kStagePush, a.me, t), a.base);
-    } else if (job.stage == kJobReduce) {
-      if (threadIdx.x < a.P && threadIdx.x != a.me) {
-        if (!wait_flag(a, flag_ptr(a, a.me, kStagePush, threadIdx.x, t), a.base, kStagePush,
-                       threadIdx.x))
-          give_up = 1;
-      }
-      __syncthreads();
-      if (!give_up) {
-        Stages::reduce(a, first, count, local0, warp, warps, lane);
-        __syncthreads();  // then one release per peer, as after push
-        if (threadIdx.x < a.P && threadIdx.x != a.me)
-          st_release_sys(flag_ptr(a, threadIdx.x, kStageGather, a.me, t), a.base + 2);
-      }
-    } else if (job.stage == kJobTail) {
-      if (threadIdx.x == 0 && !wait_flag(a, flag_ptr(a, a.me, kStageGather, job.seg, t),
-                                         a.base + 2, kStageGather, job.seg))
-        give_up = 1;
-      __syncthreads();
-      if (!give_up) Stages::tail(a, job.seg, first, count, local0, warp, warps, lane);
-    }
-    if (threadIdx.x == 0) job_shared = decode_item(a, next);
+  // Tile t of the chunk covers segment groups [(tile0 + t) * TG, ...) clipped to Gs.
+  auto tile_groups = [&](int t, int64_t* first) {
+    *first = (a.tile0 + t) * a.tile_groups;
+    return static_cast<int>(min(static_cast<int64_t>(a.tile_groups), a.seg_groups - *first));
+  };
+
+  // a.twice (the stage-cost diagnostic) runs a stage's items twice: item i and i + items are the
+  // same work (the same bytes written again). Not a loop around the stage: that raised the
+  // registers (fp32 48 -> 72 a thread, ptxas sm_90a).
+  const int push_items = others * ct;
+  // push
+  for (int pitem = blockIdx.x; pitem < (a.twice == 1 ? 2 : 1) * push_items; pitem += gridDim.x) {
+    const int item = pitem < push_items ? pitem : pitem - push_items;
+    const int j = item / ct;
+    const int seg = j < a.me ? j : j + 1;
+    const int t = item % ct;
+    int64_t first;
+    const int count = tile_groups(t, &first);
+    Stages::push(a, seg, first, count, static_cast<int64_t>(t) * a.tile_groups, warp, warps, lane);
+    // The barrier, then one system-scope release store: the release is cumulative, so it
+    // publishes every write the block made before the barrier (the pattern of a grid barrier).
+    // A system fence in each of the 256 threads per tile cost more than the fence is worth.
     __syncthreads();
+    if (threadIdx.x == 0) st_release_sys(flag_ptr(a, seg, kStagePush, a.me, t), a.base);
+  }
+
+  // reduce + gather
+  for (int rt = blockIdx.x; rt < (a.twice == 2 ? 2 : 1) * ct; rt += gridDim.x) {
+    const int t = rt < ct ? rt : rt - ct;
+    if (threadIdx.x < a.P && threadIdx.x != a.me) {
+      if (!wait_flag(a, flag_ptr(a, a.me, kStagePush, threadIdx.x, t), a.base, kStagePush,
+                     threadIdx.x))
+        give_up = 1;
+    }
+    __syncthreads();
+    if (give_up) break;
+    int64_t first;
+    const int count = tile_groups(t, &first);
+    Stages::reduce(a, first, count, static_cast<int64_t>(t) * a.tile_groups, warp, warps, lane);
+    __syncthreads();  // then one release per peer, as after push
+    if (threadIdx.x < a.P && threadIdx.x != a.me)
+      st_release_sys(flag_ptr(a, threadIdx.x, kStageGather, a.me, t), a.base + 2);
+  }
+
+  // tail
+  for (int titem = blockIdx.x; titem < (a.twice == 3 ? 2 : 1) * push_items && !give_up;
+       titem += gridDim.x) {
+    const int item = titem < push_items ? titem : titem - push_items;
+    const int j = item / ct;
+    const int seg = j < a.me ? j : j + 1;
+    const int t = item % ct;
+    if (threadIdx.x == 0 &&
+        !wait_flag(a, flag_ptr(a, a.me, kStageGather, seg, t), a.base + 2, kStageGather, seg))
+      give_up = 1;
+    __syncthreads();
+    if (give_up) break;
+    int64_t first;
+    const int count = tile_groups(t, &first);
+    Stages::tail(a, seg, first, count, static_cast<int64_t>(t) * a.tile_groups, warp, warps, lane);
   }
 
   // After a timeout the output must not look valid: poison this block's grid-stride share.
@@ -1173,12 +1110,6 @@ __device__ __forceinline__ void allreduce_pipeline(const KernelArgs& a) {
     for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < a.n;
          i += static_cast<int64_t>(gridDim.x) * blockDim.x)
       y[i] = from_f32<T>(__int_as_float(0x7fc00000));
-  }
-  // The last block to finish sets the counters back to 0 for the next launch on this stream
-  // (every block's last claim precedes its count here).
-  if (threadIdx.x == 0 && atomicAdd(&counters[1], 1u) == gridDim.x - 1) {
-    atomicExch(&counters[0], 0u);
-    atomicExch(&counters[1], 0u);
   }
 }
 
@@ -1239,17 +1170,6 @@ int repeat_stage_from_env() {
     return s == "push" ? 1 : s == "reduce" ? 2 : s == "tail" ? 3 : 0;
   }();
   return stage;
-}
-
-// Steps of the staggered schedule between a tile's push and its reduce (allreduce_pipeline):
-// ECHO_JAX_P2P_LAG_STEPS, else about two steps' worth of blocks, so that the pushes a reduce
-// waits for were claimed a round of the grid earlier; at most the chunk's tiles (= all pushes
-// first, the unstaggered order).
-int lag_steps(int grid, int P, int chunk_tiles) {
-  static const int64_t from_env = env_int("ECHO_JAX_P2P_LAG_STEPS", -1);
-  const int per_step = 2 * (P - 1) + 1;
-  const int64_t lag = from_env >= 0 ? from_env : 2 * ((grid + per_step - 1) / per_step) + 1;
-  return static_cast<int>(std::min<int64_t>(lag, chunk_tiles));
 }
 
 struct LaunchPlan {
@@ -1417,9 +1337,6 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
   for (int64_t t0 = 0; t0 < pl.tiles_per_segment; t0 += pl.chunk_tiles) {
     a.tile0 = t0;
     a.chunk_tiles = static_cast<int>(std::min<int64_t>(pl.chunk_tiles, pl.tiles_per_segment - t0));
-    a.lag = lag_steps(pl.grid, at.P, a.chunk_tiles);
-    a.claim_dynamic = static_cast<int>(env_int("ECHO_JAX_P2P_CLAIM_DYNAMIC", 1));
-    a.poll_max_ns = static_cast<unsigned>(env_int("ECHO_JAX_P2P_POLL_MAX_NS", 64));
     a.base = 3 * (++grp.calls[rank]);
     kernel<<<pl.grid, kThreads, 0, stream>>>(a);
   }
