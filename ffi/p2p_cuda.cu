@@ -596,12 +596,14 @@ struct RotatedGenericStages {
 template <typename T, int G, int BITS, bool COMP, bool ROT, typename S = float>
 struct FastStages {
   // Two loads a lane: the stages hold a piece's values, state and output at once (registers).
-  // One in the unrotated compensated 16-bit instances: with two, their update's prefetched
+  // One in the compensated 16-bit instances: with two, the unrotated ones' update's prefetched
   // x, m1, m2 (3 x 16 values a lane) took 123-126 registers (2 blocks an SM), with one 64;
   // measured (one H200, 4 virtual ranks, bf16 x, 256 MB a rank): fused compensator 5.180 ->
-  // 4.428 ms, with a bf16 state 4.529 -> 3.425 ms. The uncompensated 16-bit instances keep two
-  // (one load: p2p4 1.533 -> 1.620 ms).
-  static constexpr int kLoadsPerLane = sizeof(T) == 2 && COMP && !ROT ? 1 : 2;
+  // 4.428 ms, with a bf16 state 4.529 -> 3.425 ms. The same in the rotated compensated 16-bit
+  // instances (121-127 -> 80 registers, 2 -> 3 blocks an SM): comp-fused-rot 5.535 -> 4.958 ms
+  // (bf16 x, 256 MB; 1.434 -> 1.305 at 64 MB). The uncompensated 16-bit instances keep two
+  // (one load: p2p4 1.533 -> 1.620 ms; rotated, 80 -> 48 registers but p2p4-rot 2.168 -> 2.578).
+  static constexpr int kLoadsPerLane = sizeof(T) == 2 && COMP ? 1 : 2;
   using L = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, kLoadsPerLane>()>;
   static constexpr int kVec = L::kVec, kLanes = L::kLanes, kLoads = L::kLoads;
   static constexpr int kGpw = L::kGroupsPerWarp;
