@@ -568,7 +568,7 @@ def test_rank_results_are_typed_like_the_xla_transport(cuda, mesh_shape, comp):
     assert seen["p2p"] == seen["xla"], f"varying axes, p2p: {seen['p2p']}, xla: {seen['xla']}"
 
 
-# The children import the reference from the tests' conftest (the path passed in argv[1]).
+# The child imports the reference from the tests' conftest (their directory comes in argv[1]).
 _REPEAT_CHILD = """
 import sys
 sys.path.insert(0, sys.argv[1])
