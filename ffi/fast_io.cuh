@@ -69,16 +69,27 @@ __device__ __forceinline__ uint32_t value_bits(float v) {
   }
 }
 
-// kVec = 16 / sizeof(T) fp32 values -> one 16-byte word of T.
+// kVec = 16 / sizeof(T) fp32 values -> one 16-byte word of T. 16-bit values are converted two
+// an instruction (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32: the same rounding as one at a time, half
+// the conversions), the first value in the low half.
 template <typename T>
 __device__ __forceinline__ uint4 pack_values(const float* v) {
   uint32_t u[4];
   if constexpr (sizeof(T) == 4) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) u[k] = value_bits<T>(v[k]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+      u[k] = *reinterpret_cast<const uint32_t*>(&h);
+    }
   } else {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) u[k] = value_bits<T>(v[2 * k]) | (value_bits<T>(v[2 * k + 1]) << 16);
+    for (int k = 0; k < 4; ++k) {
+      const __half2 h = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
+      u[k] = *reinterpret_cast<const uint32_t*>(&h);
+    }
   }
   return make_uint4(u[0], u[1], u[2], u[3]);
 }
@@ -174,10 +185,10 @@ __device__ __forceinline__ void unpack_piece_codes(const uint2& w, uint32_t* cod
 // group in make_params and one fp32 subtraction a value for sym (x - (+0) = x exactly, -0
 // included, so the code is encode_fast<BITS, sym>'s).
 
-// An encoder of one group: code = clamp(rne((x - m) * r), lo, hi) + off; mask 0 when not ok.
+// An encoder of one group: code = clamp(rne((x - m) * r), lo, hi) + off (round_code: magic_off
+// = kRoundMagic + off); mask 0 when not ok.
 struct Encoder {
-  float r, m;
-  int32_t lo, hi, off;
+  float r, m, lo, hi, magic_off;
   uint32_t mask;
 };
 
@@ -190,17 +201,17 @@ __device__ __forceinline__ Encoder make_encoder(int policy, float lo, float hi, 
   if (policy == kPolicySym) {
     p = make_params_fast<BITS, kPolicySym>(lo, hi, finite);
     *wire = p.wire;
-    return Encoder{p.r, 0.0f, -qmax, qmax, qmax + 1, p.ok ? 0xFFFFFFFFu : 0u};
+    return Encoder{p.r, 0.0f, -qmax, qmax, kRoundMagic + (qmax + 1), p.ok ? 0xFFFFFFFFu : 0u};
   }
   p = policy == kPolicyAsym ? make_params_fast<BITS, kPolicyAsym>(lo, hi, finite)
                             : make_params_fast<BITS, kPolicyAsymNaive>(lo, hi, finite);
   *wire = p.wire;
-  return Encoder{p.r, p.m, 0, levels, 0, p.ok ? 0xFFFFFFFFu : 0u};
+  return Encoder{p.r, p.m, 0.0f, levels, kRoundMagic, p.ok ? 0xFFFFFFFFu : 0u};
 }
 
+template <int BITS>
 __device__ __forceinline__ uint32_t encode(float x, const Encoder& e) {
-  return static_cast<uint32_t>(imin(imax(f2i_rn(mul_rn(sub_rn(x, e.m), e.r)), e.lo), e.hi) +
-                               e.off);
+  return round_code<BITS>(mul_rn(sub_rn(x, e.m), e.r), e.lo, e.hi, e.magic_off);
 }
 
 // Stores a group's wire parameters (2 bytes sym, 4 bytes asym) at group index `local`.

@@ -85,6 +85,16 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_MIN_BLOCKS_16
 #define ECHO_P2P_MIN_BLOCKS_16 5
 #endif
+// The same for the uncompensated rotated instances: 16-bit x 4 blocks (64 registers) against
+// the 3 of ptxas' own 80, p2p4-rot bf16 0.584 -> 0.532 ms (64 MB), 2.130 -> 1.986 ms (256 MB);
+// fp32 stays unbounded (5 blocks, 48 registers: 0.392 -> 0.400 ms at 64 MB, 1.433 -> 1.359 at
+// 256 MB, not clearly better). Same measurement as above, before the fma butterflies.
+#ifndef ECHO_P2P_MIN_BLOCKS_ROT_32
+#define ECHO_P2P_MIN_BLOCKS_ROT_32 1
+#endif
+#ifndef ECHO_P2P_MIN_BLOCKS_ROT_16
+#define ECHO_P2P_MIN_BLOCKS_ROT_16 4
+#endif
 
 // Error codes written to the host-mapped error word (1 + stage * 256 + peer).
 enum Stage : int { kStagePush = 0, kStageGather = 1 };
@@ -610,9 +620,11 @@ struct FastStages {
   static constexpr int kPieceBytes = kVec * BITS / 8;
   static constexpr int kCodeBytes = G * BITS / 8;
   // Blocks of kThreads an SM that ptxas must fit (__launch_bounds__; kernel_of), uncompensated
-  // and unrotated instances only (ECHO_P2P_MIN_BLOCKS_32 / _16); 1: no bound.
+  // instances only (ECHO_P2P_MIN_BLOCKS_32 / _16, rotated: _ROT_32 / _ROT_16); 1: no bound.
   static constexpr int kMinBlocks =
-      COMP || ROT ? 1 : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);
+      COMP ? 1
+      : ROT ? (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_ROT_32 : ECHO_P2P_MIN_BLOCKS_ROT_16)
+            : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);
 
   // Lane j's sign mask (fast::hadamard_sign_mask), computed once a block: the hash costs
   // ~25 instructions a value, too much to repeat for every tile.
@@ -755,7 +767,8 @@ struct FastStages {
 
   // The encoder of the group whose lanes hold v (order-key min / max over the group's lanes).
   // min.NaN / max.NaN (the standalone quantizer's range) took 4-6 more registers here, and the
-  // virtual-rank benchmark showed no gain with it, so the keys stay until a measurement says so.
+  // virtual-rank benchmark showed no gain with it; only the plain fp32 push (push_plain), which
+  // takes the range before scaling, measured faster with it.
   __device__ static fast::Encoder group_encoder(const KernelArgs& a, const float (&v)[kLoads][kVec],
                                                 uint32_t* wire) {
     int32_t kmin = fast::kKeyMax, kmax = fast::kKeyMin;
@@ -788,9 +801,61 @@ struct FastStages {
   // and made the call slower (p2p4 fp32 1.00 -> 1.10 ms, bf16 1.54 -> 2.23 ms): one group set a
   // warp at a time, loads issued per stage as below.
 
+  // push of the uncompensated unrotated fp32 call: the group's range from x as loaded, with
+  // min.NaN / max.NaN (two instructions a value; order keys take five), then scaled. Scaling by
+  // the power-of-two factor f is monotone and keeps signs, so the min / max of the scaled values
+  // are the scaled lo / hi bit for bit (-0 < +0 included). Measured on one H200 (4 virtual
+  // ranks, p2p4 fp32): 0.264 -> 0.252 ms at 64 MB, 0.910 -> 0.890 ms at 256 MB. The 16-bit
+  // instances keep the keys: the same change with their min.NaN.bf16x2 words spilled 300-350
+  // bytes a thread under their 5-blocks bound and made bf16 p2p4 slower (1.289 -> 1.441 ms).
+  __device__ static void push_plain(const KernelArgs& a, int seg, int64_t first, int count,
+                                    int64_t local0, int warp, int warps, int lane) {
+    const int j = lane % kLanes;
+    uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
+    uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
+    const float f = scale_of(a);
+    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
+      const int q = q0 + lane / kLanes;
+      const bool valid = q < count;
+      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+      float v[kLoads][kVec];
+      fast::Range r = fast::range_empty();
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        if (valid) {
+          load_raw(a, e0 + L::index(j, k, 0), v[k]);
+        } else {
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
+        }
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) fast::range_add(r, v[k][t]);
+      }
+      fast::range_reduce<kLanes>(r);
+      r.lo = mul_rn(r.lo, f);
+      r.hi = mul_rn(r.hi, f);
+      uint32_t wire;
+      const fast::Encoder enc =
+          fast::make_encoder<BITS>(a.policy, r.lo, r.hi, fast::range_finite(r), &wire);
+      if (!valid) continue;
+      if (j == 0) fast::store_wire(prm, local0 + q, a.policy, wire);
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        uint32_t codes[kVec];
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) codes[t] = fast::encode<BITS>(mul_rn(v[k][t], f), enc);
+        fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, j, k), codes, enc.mask);
+      }
+    }
+  }
+
   // push: quantize the tile's groups of segment seg into owner seg's push slot for this rank.
   __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
+    if constexpr (!COMP && !ROT && sizeof(T) == 4) {
+      push_plain(a, seg, first, count, local0, warp, warps, lane);
+      return;
+    }
     const int j = lane % kLanes;
     const uint32_t sm = sign_mask(j);
     uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
@@ -811,7 +876,7 @@ struct FastStages {
           for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
         }
       }
-      if constexpr (ROT) fast::hadamard_rotate<L>(v, j, sm, a.rot_scale);
+      if constexpr (ROT) fast::hadamard_rotate<L, !COMP>(v, j, sm, a.rot_scale);
       uint32_t wire;
       const fast::Encoder enc = group_encoder(a, v, &wire);
       if (!valid) continue;
@@ -820,7 +885,7 @@ struct FastStages {
       for (int k = 0; k < kLoads; ++k) {
         uint32_t codes[kVec];
 #pragma unroll
-        for (int t = 0; t < kVec; ++t) codes[t] = fast::encode(v[k][t], enc);
+        for (int t = 0; t < kVec; ++t) codes[t] = fast::encode<BITS>(v[k][t], enc);
         fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, j, k), codes, enc.mask);
       }
     }
@@ -845,8 +910,8 @@ struct FastStages {
       uint32_t codes[kVec];
 #pragma unroll
       for (int t = 0; t < kVec; ++t) {
-        codes[t] = fast::encode(acc[k][t], enc) & enc.mask;
-        y[k][t] = decode_value(static_cast<uint8_t>(codes[t]), d);
+        codes[t] = fast::encode<BITS>(acc[k][t], enc) & enc.mask;
+        y[k][t] = fast::decode_fast(codes[t], d);
       }
       if (valid) {
         for (int r = 0; r < a.P; ++r)
@@ -854,7 +919,7 @@ struct FastStages {
                                         0xFFFFFFFFu);
       }
     }
-    fast::hadamard_unrotate<L>(y, j, sm, a.rot_scale);
+    fast::hadamard_unrotate<L, !COMP>(y, j, sm, a.rot_scale);
     if (!valid) return;
 #pragma unroll
     for (int k = 0; k < kLoads; ++k) {
@@ -898,12 +963,12 @@ struct FastStages {
             fast::unpack_piece_codes<kVec, BITS>(
                 fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k)), codes);
 #pragma unroll
-            for (int t = 0; t < kVec; ++t) v[k][t] = decode_value(static_cast<uint8_t>(codes[t]), d);
+            for (int t = 0; t < kVec; ++t) v[k][t] = fast::decode_fast(codes[t], d);
           }
         }
         // The own contribution in the rotated basis, like the peers' codes (r is warp-uniform).
         if constexpr (ROT) {
-          if (r == a.me) fast::hadamard_rotate<L>(v, j, sm, a.rot_scale);
+          if (r == a.me) fast::hadamard_rotate<L, !COMP>(v, j, sm, a.rot_scale);
         }
 #pragma unroll
         for (int k = 0; k < kLoads; ++k)
@@ -935,8 +1000,8 @@ struct FastStages {
           float y[kVec];
 #pragma unroll
           for (int t = 0; t < kVec; ++t) {
-            codes[t] = fast::encode(acc[k][t], enc) & enc.mask;
-            y[t] = decode_value(static_cast<uint8_t>(codes[t]), d);  // the code peers receive
+            codes[t] = fast::encode<BITS>(acc[k][t], enc) & enc.mask;
+            y[t] = fast::decode_fast(codes[t], d);  // the code peers receive
           }
           for (int r = 0; r < a.P; ++r)
             fast::store_piece<kVec, BITS>(a.ws[r] + gather_slot(a.me, a.P, a.slot_bytes) +
@@ -974,9 +1039,9 @@ struct FastStages {
         uint32_t codes[kVec];
         fast::unpack_piece_codes<kVec, BITS>(words[k], codes);
 #pragma unroll
-        for (int t = 0; t < kVec; ++t) y[k][t] = decode_value(static_cast<uint8_t>(codes[t]), d);
+        for (int t = 0; t < kVec; ++t) y[k][t] = fast::decode_fast(codes[t], d);
       }
-      fast::hadamard_unrotate<L>(y, j, sm, a.rot_scale);
+      fast::hadamard_unrotate<L, !COMP>(y, j, sm, a.rot_scale);
       if (!valid) continue;
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
@@ -1021,7 +1086,7 @@ struct FastStages {
         fast::unpack_piece_codes<kVec, BITS>(words[k], codes);
         float y[kVec];
 #pragma unroll
-        for (int t = 0; t < kVec; ++t) y[t] = decode_value(static_cast<uint8_t>(codes[t]), d);
+        for (int t = 0; t < kVec; ++t) y[t] = fast::decode_fast(codes[t], d);
         store_output(a, e0 + L::index(j, k, 0), y, in[k]);
       }
     }

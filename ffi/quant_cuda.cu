@@ -32,8 +32,8 @@
 //   * Parameters and codes: make_params_fast / encode_fast (quant_fast.cuh) are make_params /
 //     encode_value of echo_common.h in the same order of rounded operations (__fmul_rn,
 //     __fadd_rn, __fsub_rn, __frcp_rn), with hardware fp16 conversions (cvt.rn / cvt.rp, equal
-//     to the software ones on every input they can get) and cvt.rni.s32.f32 + an integer clamp
-//     for rne + clip. Lane 0 of a group stores its parameters (one 4-byte store for asym); each
+//     to the software ones on every input they can get) and an fp32 clamp + an addition of
+//     1.5 * 2^23 for rne + clip (round_code: no int <-> float conversion). Lane 0 of a group stores its parameters (one 4-byte store for asym); each
 //     load's kVec codes are stored as one 2-, 4- or 8-byte word (kVec * bits / 8 bytes).
 // Fast dequantize (dequantize_fast_kernel<BITS, POLICY>): g a power of two >= 4, y 16-byte
 // aligned. The codes and outputs are one flat stream (value i's code is at byte i * bits / 8 of
@@ -41,7 +41,8 @@
 // values; chunk c of lane l at 4 * (32 c + l), one 16-byte store each), loading each chunk's
 // codes (2 or 4 bytes) and its group's parameters (group = i >> log2 g: g enters only as a shift,
 // so it need not be a template constant) before decoding any of them. decode_value as in
-// echo_common.h (code * s, then + m, both rounded), with the hardware fp16 -> fp32 conversion.
+// echo_common.h (code * s, then + m, both rounded), with the hardware fp16 -> fp32 conversion
+// and the code's fp32 value from 2^23 + code (decode_fast: no int -> float conversion).
 // Generic kernels (quantize_kernel / dequantize_kernel, one warp per group, bits / policy / g at
 // run time): every other g, unaligned buffers, and whenever ECHO_JAX_GENERIC_QUANT=1 is set (read
 // once per process; for comparisons).
@@ -218,10 +219,10 @@ __global__ void __launch_bounds__(kQuantThreads)
       const int64_t i = base + 4 * (c * kWarp + lane);
       const DequantParams d = fast::dequant_params_fast<BITS, POLICY>(pw[c]);
       float4 out;
-      out.x = decode_value(static_cast<uint8_t>((cw[c] >> (0 * BITS)) & ((1u << BITS) - 1)), d);
-      out.y = decode_value(static_cast<uint8_t>((cw[c] >> (1 * BITS)) & ((1u << BITS) - 1)), d);
-      out.z = decode_value(static_cast<uint8_t>((cw[c] >> (2 * BITS)) & ((1u << BITS) - 1)), d);
-      out.w = decode_value(static_cast<uint8_t>((cw[c] >> (3 * BITS)) & ((1u << BITS) - 1)), d);
+      out.x = fast::decode_fast((cw[c] >> (0 * BITS)) & ((1u << BITS) - 1), d);
+      out.y = fast::decode_fast((cw[c] >> (1 * BITS)) & ((1u << BITS) - 1), d);
+      out.z = fast::decode_fast((cw[c] >> (2 * BITS)) & ((1u << BITS) - 1), d);
+      out.w = fast::decode_fast((cw[c] >> (3 * BITS)) & ((1u << BITS) - 1), d);
       if (i < n) *reinterpret_cast<float4*>(y + i) = out;
     }
   }

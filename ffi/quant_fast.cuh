@@ -16,12 +16,13 @@
 //     kept: lo and hi are finite in a finite group, so every converted value is finite or +-inf
 //     (see make_params_fast). No .ftz: fp32 subnormal inputs are converted exactly. fp16 -> fp32
 //     is cvt.f32.f16 (exact).
-//   * rne + clip + cast of a code is one cvt.rni.s32.f32 (ties to even, saturating) and an
-//     integer clamp. In a finite group (x - m) * r and x * r are finite or +-inf, never NaN (r is
-//     0 only when s is 0, and then |x - m| is tiny), and for those inputs both forms give the
-//     same integer.
-// On the host (CPU tests of this header) the conversions fall back to echo_common.h's software
-// versions, so the host build checks the restructured logic against quantize_group.
+//   * rne + clip + cast of a code, and the code's fp32 value when it is decoded, are fp32
+//     additions around 2^23 (round_code, code_to_f32 below), not conversions: cvt between int
+//     and float runs at a quarter of the fp32 add rate, and every value of an all-reduce is
+//     encoded at least once and decoded at least once. In a finite group (x - m) * r and x * r
+//     are finite or +-inf, never NaN (r is 0 only when s is 0, and then |x - m| is tiny).
+// On the host the conversions fall back to echo_common.h's software versions, so a host build
+// of this header (ffi/tools/round_code_check.cc) can check the restructured arithmetic.
 #ifndef ECHO_JAX_FFI_QUANT_FAST_CUH_
 #define ECHO_JAX_FFI_QUANT_FAST_CUH_
 
@@ -93,15 +94,46 @@ ECHO_HD float f16_f32(uint16_t h) {
 #endif
 }
 
-// fp32 -> int32, round to nearest even, saturating, NaN -> 0 (cvt.rni.s32.f32).
-ECHO_HD int32_t f2i_rn(float v) {
+// ---- codes and fp32 without the conversion unit ------------------------------------------
+// cvt.rni.s32.f32 / cvt.rn.f32.u32 issue on the conversion unit, 16 a clock an SM on sm_80 and
+// sm_90 against 128 fp32 adds; the all-reduce's stages at 4 virtual ranks and 256 MB of bf16 a
+// rank make about 1.5 G of them a call (an encode per value pushed or reduced, a decode per code
+// summed or dequantized), about 0.37 ms of that unit's time if nothing overlapped. Measured on
+// one H200, the forms below changed nothing beyond run-to-run spread (p2p4 0.347 / 1.289 ms
+// against 0.349 / 1.282 bf16, 0.264 / 0.910 against 0.268 / 0.924 fp32, 64 / 256 MB; the
+// standalone quantize and dequantize within 1 us): the conversions overlapped the rest. They stay
+// as they give the same bits with fewer slow-unit instructions. Between 2^23 and 2^24 the fp32
+// ulp is exactly 1, so fp32 additions do the same work on the fp32 pipes:
+//   * code -> fp32: the pattern 0x4B000000 | c is 2^23 + c; subtracting 2^23 leaves c exactly.
+//   * fp32 -> code: v clamped to the integers [lo, hi] (|lo|, |hi| <= 255) plus C = 1.5 * 2^23 +
+//     off is rounded to an integer, ties to even, and since C is an even integer the sum is
+//     rne(v) + C: rne(clip(v)) = clip(rne(v)) for integer bounds, and C's pattern is 0x4B400000 +
+//     off, so the low bits of the sum's pattern are rne(v) + off. A saturating cvt of +-inf and a
+//     clamp gave lo / hi; fminf / fmaxf give the same. ffi/tools/round_code_check.cc checks
+//     both against the conversions over every non-NaN fp32 input and every code.
+constexpr float kTwoPow23 = 8388608.0f;
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23, pattern 0x4B400000
+
+// The fp32 value of a code c < 2^23 (exact).
+ECHO_HD float code_to_f32(uint32_t c) { return sub_rn(f32_from_bits(0x4B000000u | c), kTwoPow23); }
+
+// decode_value of echo_common.h (c * s + m, each step rounded) without the conversion.
+ECHO_HD float decode_fast(uint32_t c, const DequantParams& d) {
+  return add_rn(mul_rn(code_to_f32(c), d.s), d.m);
+}
+
+// rne(clip(v, lo, hi)) + off as a BITS-bit code; lo, hi integers, magic_off = kRoundMagic + off.
+template <int BITS>
+ECHO_HD uint32_t round_code(float v, float lo, float hi, float magic_off) {
+  return f32_bits(add_rn(fminf(fmaxf(v, lo), hi), magic_off)) & ((1u << BITS) - 1u);
+}
+
+// round(a * b + c), one rounding (used where a * b is exact).
+ECHO_HD float fma_rn(float a, float b, float c) {
 #if defined(__CUDA_ARCH__)
-  return __float2int_rn(v);
+  return __fmaf_rn(a, b, c);
 #else
-  if (v != v) return 0;
-  if (v >= 2147483648.0f) return kKeyMax;
-  if (v <= -2147483648.0f) return kKeyMin;
-  return static_cast<int32_t>(rne(v));
+  return std::fma(a, b, c);
 #endif
 }
 
@@ -208,11 +240,10 @@ template <int BITS, int POLICY>
 ECHO_HD uint32_t encode_fast(float x, const FastParams& p) {
   if constexpr (POLICY == kPolicySym) {
     constexpr int qmax = (1 << (BITS - 1)) - 1;
-    const int32_t q = imin(imax(f2i_rn(mul_rn(x, p.r)), -qmax), qmax);
-    return static_cast<uint32_t>(q + qmax + 1);
+    return round_code<BITS>(mul_rn(x, p.r), -qmax, qmax, kRoundMagic + (qmax + 1));
   } else {
     constexpr int levels = (1 << BITS) - 1;
-    return static_cast<uint32_t>(imin(imax(f2i_rn(mul_rn(sub_rn(x, p.m), p.r)), 0), levels));
+    return round_code<BITS>(mul_rn(sub_rn(x, p.m), p.r), 0.0f, levels, kRoundMagic);
   }
 }
 
@@ -284,7 +315,14 @@ __device__ __forceinline__ uint32_t hadamard_sign_mask(int j) {
   return m;
 }
 
-template <class L>
+// kFmaAcrossLanes: the low lane of a pair keeps v + other, the high one other - v; both are one
+// fma(+-1, v, other) (+-v is exact, so its one rounding is the sum's or the difference's, -0
+// included) instead of a sum, a difference and a select. Measured on one H200 (4 virtual ranks):
+// p2p4-rot 1.433 -> 1.240 ms (fp32, 256 MB), 2.130 -> 1.930 ms (bf16); but the +-1 of each
+// stage stays in a register, and the compensated rotated instances went from 64 to 80 (fp32)
+// and 80 to 96 (16-bit, fp32 state) registers and got slower (bf16 comp-fused-rot 4.922 ->
+// 5.735 ms), so they keep the select (false).
+template <class L, bool kFmaAcrossLanes>
 __device__ __forceinline__ void hadamard_stages(float (&v)[L::kLoads][L::kVec], int j) {
 #pragma unroll
   for (int h = 1; h < L::kVec; h *= 2)
@@ -298,14 +336,19 @@ __device__ __forceinline__ void hadamard_stages(float (&v)[L::kLoads][L::kVec], 
           v[k][t + h] = sub_rn(a, b);
         }
 #pragma unroll
-  for (int o = 1; o < L::kLanes; o *= 2)
+  for (int o = 1; o < L::kLanes; o *= 2) {
+    const float sign = (j & o) ? -1.0f : 1.0f;
 #pragma unroll
     for (int k = 0; k < L::kLoads; ++k)
 #pragma unroll
       for (int t = 0; t < L::kVec; ++t) {
         const float other = __shfl_xor_sync(0xffffffffu, v[k][t], o);
-        v[k][t] = (j & o) ? sub_rn(other, v[k][t]) : add_rn(v[k][t], other);
+        if constexpr (kFmaAcrossLanes)
+          v[k][t] = fma_rn(sign, v[k][t], other);
+        else
+          v[k][t] = (j & o) ? sub_rn(other, v[k][t]) : add_rn(v[k][t], other);
       }
+  }
 #pragma unroll
   for (int h = 1; h < L::kLoads; h *= 2)
 #pragma unroll
@@ -321,7 +364,7 @@ __device__ __forceinline__ void hadamard_stages(float (&v)[L::kLoads][L::kVec], 
 }
 
 // Forward: v <- v * s (a sign flip, exact), the stages, v <- v * f.
-template <class L>
+template <class L, bool kFmaAcrossLanes>
 __device__ __forceinline__ void hadamard_rotate(float (&v)[L::kLoads][L::kVec], int j,
                                                 uint32_t sign_mask, float f) {
 #pragma unroll
@@ -330,7 +373,7 @@ __device__ __forceinline__ void hadamard_rotate(float (&v)[L::kLoads][L::kVec], 
     for (int t = 0; t < L::kVec; ++t)
       v[k][t] = __uint_as_float(__float_as_uint(v[k][t]) ^
                                 (((sign_mask >> (k * L::kVec + t)) & 1u) << 31));
-  hadamard_stages<L>(v, j);
+  hadamard_stages<L, kFmaAcrossLanes>(v, j);
 #pragma unroll
   for (int k = 0; k < L::kLoads; ++k)
 #pragma unroll
@@ -338,10 +381,10 @@ __device__ __forceinline__ void hadamard_rotate(float (&v)[L::kLoads][L::kVec], 
 }
 
 // Inverse: the stages, then v <- v * (s f).
-template <class L>
+template <class L, bool kFmaAcrossLanes>
 __device__ __forceinline__ void hadamard_unrotate(float (&v)[L::kLoads][L::kVec], int j,
                                                   uint32_t sign_mask, float f) {
-  hadamard_stages<L>(v, j);
+  hadamard_stages<L, kFmaAcrossLanes>(v, j);
   const float neg_f = -f;
 #pragma unroll
   for (int k = 0; k < L::kLoads; ++k)
