@@ -86,9 +86,10 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #define ECHO_P2P_MIN_BLOCKS_16 5
 #endif
 // The same for the uncompensated rotated instances: 16-bit x 4 blocks (64 registers) against
-// the 3 of ptxas' own 80, p2p4-rot bf16 0.584 -> 0.532 ms (64 MB), 2.130 -> 1.986 ms (256 MB);
-// fp32 stays unbounded (5 blocks, 48 registers: 0.392 -> 0.400 ms at 64 MB, 1.433 -> 1.359 at
-// 256 MB, not clearly better). Same measurement as above, before the fma butterflies.
+// the 3 of ptxas' own 80, p2p4-rot bf16 0.530 -> 0.474 ms (64 MB), 1.921 -> 1.756 ms (256 MB)
+// with the fma butterflies (0.584 -> 0.532 and 2.130 -> 1.986 without); fp32 stays unbounded
+// (5 blocks, 48 registers, measured without the fma butterflies: 0.392 -> 0.400 ms at 64 MB,
+// 1.433 -> 1.359 at 256 MB, not clearly better).
 #ifndef ECHO_P2P_MIN_BLOCKS_ROT_32
 #define ECHO_P2P_MIN_BLOCKS_ROT_32 1
 #endif

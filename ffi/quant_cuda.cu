@@ -33,8 +33,9 @@
 //     encode_value of echo_common.h in the same order of rounded operations (__fmul_rn,
 //     __fadd_rn, __fsub_rn, __frcp_rn), with hardware fp16 conversions (cvt.rn / cvt.rp, equal
 //     to the software ones on every input they can get) and an fp32 clamp + an addition of
-//     1.5 * 2^23 for rne + clip (round_code: no int <-> float conversion). Lane 0 of a group stores its parameters (one 4-byte store for asym); each
-//     load's kVec codes are stored as one 2-, 4- or 8-byte word (kVec * bits / 8 bytes).
+//     1.5 * 2^23 for rne + clip (round_code: no int <-> float conversion). Lane 0 of a group
+//     stores its parameters (one 4-byte store for asym); each load's kVec codes are stored as
+//     one 2-, 4- or 8-byte word (kVec * bits / 8 bytes).
 // Fast dequantize (dequantize_fast_kernel<BITS, POLICY>): g a power of two >= 4, y 16-byte
 // aligned. The codes and outputs are one flat stream (value i's code is at byte i * bits / 8 of
 // packed whatever g is), so each lane decodes 4 chunks of 4 consecutive values (warp tile: 512
