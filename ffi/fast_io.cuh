@@ -57,27 +57,16 @@ __device__ __forceinline__ void unpack_values(const uint4& w, float* v) {
   }
 }
 
-// fp32 -> the bits of T, round to nearest even (XLA's convert; exact for fp32).
-template <typename T>
-__device__ __forceinline__ uint32_t value_bits(float v) {
-  if constexpr (sizeof(T) == 4) {
-    return __float_as_uint(v);
-  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  } else {
-    return __half_as_ushort(__float2half_rn(v));
-  }
-}
-
-// kVec = 16 / sizeof(T) fp32 values -> one 16-byte word of T. 16-bit values are converted two
-// an instruction (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32: the same rounding as one at a time, half
-// the conversions), the first value in the low half.
+// kVec = 16 / sizeof(T) fp32 values -> one 16-byte word of T, rounded to nearest even (XLA's
+// convert; fp32 is copied as it is). 16-bit values are converted two an instruction
+// (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32: the same rounding as one at a time, half the
+// conversions), the first value in the low half.
 template <typename T>
 __device__ __forceinline__ uint4 pack_values(const float* v) {
   uint32_t u[4];
   if constexpr (sizeof(T) == 4) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) u[k] = value_bits<T>(v[k]);
+    for (int k = 0; k < 4; ++k) u[k] = __float_as_uint(v[k]);
   } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
