@@ -60,7 +60,8 @@ from echo_jax._cli import (SIZE_ALIASES, format_size, parse_size,  # noqa: F401 
 
 #: Rows of `bench allreduce`, in the order they are run and printed.
 ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-rot", "p2p4-rescale", "p2p4-comp-unfused",
-        "p2p4-comp-fused", "p2p4-comp-fused-bf16state", "p2p4-comp-fused-rot")
+        "p2p4-comp-fused", "p2p4-comp-separate", "p2p4-comp-fused-bf16state",
+        "p2p4-comp-fused-rot")
 
 ROW_LABELS = {
     "psum": "lax.psum (16-bit baseline)",
@@ -71,6 +72,8 @@ ROW_LABELS = {
     "p2p4-rescale": "4-bit, rescale='auto' (echo_psum's default: max |x| + scalar pmax)",
     "p2p4-comp-unfused": "4-bit + compensator as separate ops",
     "p2p4-comp-fused": "4-bit + compensator fused",
+    "p2p4-comp-separate": "4-bit + compensator, apply fused, update as its own op "
+                          "(state_update='separate')",
     "p2p4-comp-fused-bf16state": "4-bit + compensator fused, bf16 state (state_dtype='bfloat16')",
     "p2p4-rot": "4-bit, Hadamard rotation (rotation='hadamard')",
     "p2p4-comp-fused-rot": "4-bit + compensator fused, Hadamard rotation",
@@ -252,6 +255,7 @@ def _configs():
             "p2p4": ej.EchoConfig(bits=4, transport="p2p"),
             "comp": ej.EchoConfig(bits=4, transport="p2p"),
             "comp-bf16state": ej.EchoConfig(bits=4, transport="p2p", state_dtype="bfloat16"),
+            "comp-separate": ej.EchoConfig(bits=4, transport="p2p", state_update="separate"),
             "p2p4-rot": ej.EchoConfig(bits=4, transport="p2p", rotation="hadamard")}
 
 
@@ -301,8 +305,10 @@ def _mesh_rows(mesh, ranks: int):
     f_unfused, f_fused = wrap(unfused, 3, 3), wrap(fused, 3, 3)
     f_fused_rot = wrap(functools.partial(fused, cfg=cfgs["p2p4-rot"]), 3, 3)
     f_fused_bf16 = wrap(functools.partial(fused, cfg=cfgs["comp-bf16state"]), 3, 3)
+    f_separate = wrap(functools.partial(fused, cfg=cfgs["comp-separate"]), 3, 3)
     rows["p2p4-comp-unfused"] = (lambda v: f_unfused(*v), "float32")
     rows["p2p4-comp-fused"] = (lambda v: f_fused(*v), "float32")
+    rows["p2p4-comp-separate"] = (lambda v: f_separate(*v), "float32")
     rows["p2p4-comp-fused-bf16state"] = (lambda v: f_fused_bf16(*v), "bfloat16")
     rows["p2p4-comp-fused-rot"] = (lambda v: f_fused_rot(*v), "float32")
     return rows
@@ -345,11 +351,28 @@ def _virtual_rows(ranks: int):
     rows["p2p4-rescale"] = (jax.jit(rescaled), None)
     rows["p2p4-comp-unfused"] = (jax.jit(unfused), "float32")
     rows["p2p4-comp-fused"] = (jax.jit(fused), "float32")
+    rows["p2p4-comp-separate"] = (jax.jit(functools.partial(fused, cfg=wire["comp-separate"])),
+                                  "float32")
     rows["p2p4-comp-fused-bf16state"] = (
         jax.jit(functools.partial(fused, cfg=wire["comp-bf16state"])), "bfloat16")
     rows["p2p4-comp-fused-rot"] = (jax.jit(functools.partial(fused, cfg=wire["p2p4-rot"])),
                                    "float32")
     return rows
+
+
+def with_next_matmul(fn, compensated: bool, w):
+    """fn followed by the next layer's matrix multiplication of its sum: y [P, n] as [P, n / D,
+    D] times w [D, D] (the Echo paper's Table 2 times the fused row this way, so that the update
+    it runs beside that multiplication shows only what it adds). Returns fn's outputs with the
+    product in place of y."""
+
+    def f(v):
+        out = fn(v)
+        y = out[0] if compensated else out
+        z = jnp.matmul(y.reshape(y.shape[0], -1, w.shape[0]), w)
+        return (z,) + tuple(out[1:]) if compensated else z
+
+    return f
 
 
 def _row_unavailable(name: str, fn, example, virtual: bool):
@@ -375,8 +398,13 @@ def bench_allreduce(args) -> dict:
     Returns:
       dict(benchmark, machine, device, ranks, timing, notes, rows, skipped). Each row: row,
       size_bytes, ranks, dtype, median_s, min_s, max_s, loop_s, speedup_vs_psum, max_abs_err
-      (against the psum row), bit_identical_across_ranks, and for the fused row
-      bit_identical_to_unfused (result and state).
+      (against the psum row), bit_identical_across_ranks, for the fused row
+      bit_identical_to_unfused (result and state), for the separate row with float32 x
+      bit_identical_to_fused; with args.next_matmul = D > 0 also next_matmul_dim,
+      with_next_matmul_s (the row followed by its sum times a [D, D] matrix, `with_next_matmul`),
+      next_matmul_s (the multiplication alone) and added_to_next_matmul_s (their difference:
+      what the call adds to the critical path when its update may run beside the
+      multiplication).
     """
     dtype = jnp.dtype(args.dtype)
     devices = jax.devices()
@@ -400,6 +428,12 @@ def bench_allreduce(args) -> dict:
         wanted.insert(0, "psum")  # the reference of every row's error and speedup
     budget, budget_what = _memory_budget(devices, args.virtual)
     per_size_factor = MEMORY_FACTOR * (ranks if args.virtual else 1)
+    mm_dim = int(getattr(args, "next_matmul", 0) or 0)
+    if mm_dim:
+        bad = [s for s in args.sizes if (max(1, s // dtype.itemsize)) % mm_dim]
+        if bad:
+            raise ValueError(f"--next-matmul {mm_dim}: the values a rank of sizes "
+                             f"{[format_size(s) for s in bad]} are not a multiple of {mm_dim}")
 
     ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
     rows, skipped, unavailable = [], [], {}
@@ -446,6 +480,11 @@ def bench_allreduce(args) -> dict:
                 # write), which turns each row's byte floor into a time floor.
                 copy_s = time_op(lambda v: v * 2.0, zeros, args.iters, args.repeats)
                 copy_bps = 2 * zeros.size * 4 / copy_s
+            if mm_dim:
+                w = place(jax.random.normal(jax.random.key(args.seed + 1), (ranks, mm_dim, mm_dim),
+                                            jnp.float32).astype(dtype) / np.sqrt(mm_dim))[0]
+                mm_s = time_op(lambda v, w=w: jnp.matmul(v.reshape(v.shape[0], -1, mm_dim), w),
+                               x, args.iters, args.repeats)
             m1, m2 = zeros, zeros
             for cname in ("p2p4-comp-unfused", "p2p4-comp-fused"):
                 if cname in wanted and cname not in unavailable:
@@ -481,6 +520,17 @@ def bench_allreduce(args) -> dict:
                     row["bit_identical_to_unfused"] = all(
                         bool(np.array_equal(np.asarray(a), np.asarray(b)))
                         for a, b in zip(out, outputs["p2p4-comp-unfused"]))
+                if (name == "p2p4-comp-separate" and "p2p4-comp-fused" in outputs
+                        and dtype == jnp.float32):
+                    row["bit_identical_to_fused"] = all(
+                        bool(np.array_equal(np.asarray(a), np.asarray(b)))
+                        for a, b in zip(out, outputs["p2p4-comp-fused"]))
+                if mm_dim:
+                    both = time_op_stats(with_next_matmul(fn, compensated, w), inp, args.iters,
+                                         args.repeats, args.warmup,
+                                         carry_state=compensated)["median_s"]
+                    row.update(next_matmul_dim=mm_dim, with_next_matmul_s=both,
+                               next_matmul_s=mm_s, added_to_next_matmul_s=both - mm_s)
                 rows.append(row)
                 print(f"  {format_size(size):>6} {name:<18} {stats['median_s'] * 1e3:10.4f} ms"
                       f"  err {err:.3g}", file=sys.stderr, flush=True)
@@ -489,6 +539,8 @@ def bench_allreduce(args) -> dict:
                 if r["size_bytes"] == size:
                     r["speedup_vs_psum"] = base["psum"] / r["median_s"]
             del x, m1, m2, zeros, ref, outputs
+            if mm_dim:
+                del w
     notes = ["max_abs_err: max over every rank and element of |row - psum row|, in the row's "
              "dtype; bit_identical_across_ranks: every rank returned the same bits",
              "compensated rows are timed with the state each call returns fed to the next "
@@ -496,6 +548,14 @@ def bench_allreduce(args) -> dict:
              "earlier call on the same input; bit_identical_to_unfused compares the fused row's "
              "result and new state with the unfused row's from that starting state; their "
              "max_abs_err is that of a call with a zero state (the first site of a pass)"]
+    if mm_dim:
+        notes.append(f"with_next_matmul_s: the row followed by the next layer's multiplication "
+                     f"of its sum ([P, n / {mm_dim}, {mm_dim}] times a [{mm_dim}, {mm_dim}] "
+                     "matrix) in the same timed loop; added_to_next_matmul_s = that minus the "
+                     "multiplication alone (next_matmul_s): what the call adds to the critical "
+                     "path, the Echo paper's Table 2 method for its fused row, where the state "
+                     "update may run beside the multiplication (state_update='separate', on a "
+                     "second GPU stream)")
     if args.virtual:
         notes.append("floor_s: the row's byte floor (`byte_floor`: bytes every virtual rank "
                      "must read and write at least) at the streaming bandwidth of x * 2 measured "
@@ -524,7 +584,8 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     ((P-1)/P), written by the gather into every rank's slot (1) and read by the tail ((P-1)/P):
     w (3 (P-1)/P + 1). The compensated rows add the state: m1, m2 read where x' is formed,
     x, m1, m2 read again and m1, m2 written where y is produced (6 s + itemsize for an s-byte
-    state value: 24 + itemsize in fp32, 12 + itemsize in bf16). The rescaled
+    state value: 24 + itemsize in fp32, 12 + itemsize in bf16); the separate update also reads
+    y (one more itemsize). The rescaled
     row reads x once more for its max (itemsize). psum (a local reduction of the P rows under
     vmap here) reads and writes each row once. The "xla" rows run
     the same protocol, so their floor is the p2p row's of equal bits.
@@ -536,6 +597,8 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     per_element = 2 * itemsize + w * (3 * (ranks - 1) / ranks + 1)
     if "comp" in row:
         per_element += 6 * (2 if row.endswith("bf16state") else 4) + itemsize
+    if "separate" in row:
+        per_element += itemsize
     if "rescale" in row:
         per_element += itemsize
     return int(round(per_element * n * ranks))
@@ -626,6 +689,14 @@ def format_allreduce_table(result: dict) -> str:
                  floor)
         lines.append("  ".join(c.rjust(w) if i != 1 else c.ljust(w)
                                for i, (c, w) in enumerate(zip(cells, widths))))
+    added = [r for r in result["rows"] if "added_to_next_matmul_s" in r]
+    if added:
+        lines.append(f"beside the next matmul (D={added[0]['next_matmul_dim']}): the call's "
+                     "time added to the multiplication's")
+    for r in added:
+        lines.append(f"  {format_size(r['size_bytes']):>9}  {r['row']:<18}  added "
+                     f"{r['added_to_next_matmul_s'] * 1e3:.3f} ms (alone "
+                     f"{r['median_s'] * 1e3:.3f} ms; matmul {r['next_matmul_s'] * 1e3:.3f} ms)")
     for name, why in result.get("unavailable_rows", {}).items():
         lines.append(f"not run: {name}: {why}")
     for s in result.get("skipped_sizes", []):
@@ -832,6 +903,11 @@ def _add_allreduce_args(p, gate: bool) -> None:
     p.add_argument("--repeats", type=positive_int, default=5,
                    help="timed loops; the median is reported (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    p.add_argument("--next-matmul", type=int, default=0, metavar="D",
+                   help="also time every row followed by the next layer's multiplication of its "
+                        "sum by a [D, D] matrix, and report what the call adds to the "
+                        "multiplication alone (the Echo paper's Table 2 method; where the "
+                        "update of state_update='separate' runs beside it). 0: off (default)")
     p.add_argument("--no-memory-check", dest="memory_check", action="store_false",
                    help=f"run sizes above the memory estimate ({MEMORY_FACTOR} x the message "
                         "per rank) too")

@@ -47,6 +47,13 @@ rescaling factor is an operand of the fused call). Otherwise (a state dtype the 
 take, a rotation in JAX, or the "xla" transport) the apply step, the uncompensated transport and
 the update run one after the other in JAX; "xla" and "p2p" give the same bits either way.
 
+Where the update runs (`EchoConfig.state_update`): "in_call" as above; "separate" (the Echo
+paper Sec. 5.3, Appendix C): the call runs the apply step only (fused into the custom call's
+entry pass where the transport has `allreduce_applied`, else in JAX) and the update is its own op
+after it, `compensator.update_beside`, on a second GPU stream so that it can run beside the next
+matrix multiplication. Its residual takes y as returned (in x's dtype): the same bits as
+"in_call" for float32 x, on every transport.
+
 Size gate: a contribution of fewer than `EchoConfig.min_bytes` bytes per rank (each array of a
 pytree decided on its own, statically from its shape and dtype) is summed by `lax.psum` instead,
 exactly and with psum's own semantics; its compensator state is returned unchanged.
@@ -220,7 +227,8 @@ def fused_rotation(config: EchoConfig, transport=None) -> bool:
 
 
 def fused_compensation(config: EchoConfig, rescale=False, transport=None) -> bool:
-    """Whether a compensated call with this config may fuse apply + update into the custom call.
+    """Whether a compensated call with this config may fuse apply + update into the custom call
+    (with `state_update="separate"`: the apply step only, where the transport has that call).
 
     The one place that decides it (`_echo_leaf` asks only here): the fused calls (the CPU
     handler and the CUDA kernels) take the state dtypes their transport lists, and nothing may
@@ -241,6 +249,9 @@ def fused_compensation(config: EchoConfig, rescale=False, transport=None) -> boo
         other than fp32 (None: not known, so such a call is not fused).
     """
     check_rescale(rescale, "fused_compensation")
+    if config.state_update == "separate" and (
+            transport is None or not transports.has_fused_apply(transport)):
+        return False
     if config.state_dtype != "float32" and (
             transport is None
             or config.state_dtype not in transports.fused_state_dtypes(transport)):
@@ -289,6 +300,12 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
         # widens a 16-bit x exactly, and multiplies by the factor) and the sum leaves it in x's
         # dtype, divided by the factor and rounded from fp32 as y32.astype(dtype) rounds it.
         return _allreduce_f32(flat, factor, axis, num_ranks, config).reshape(shape), None
+    if direct and fused_compensation(config, rescale, transport) \
+            and config.state_update == "separate":
+        # The apply step in the call's entry pass; the update after it as its own op.
+        y = _applied_allreduce_f32(flat, state.m1, state.m2, factor, axis, num_ranks, config)
+        y = y.reshape(shape)
+        return y, _update_after(x, y, num_ranks, state, config)
     if direct and fused_compensation(config, rescale, transport):
         # Fused compensation (Sec. 5.3): the apply step runs in the call's entry pass and the
         # state update inside the call, with the fp32 sum (unrotated first where the call
@@ -315,11 +332,23 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     y = y32.reshape(shape).astype(dtype)
     if state is None:
         return y, None
+    if config.state_update == "separate":
+        return y, _update_after(x, y, num_ranks, state, config)
     new = comp.update_state(x32, y32, num_ranks, m, k)
     # The state carries no derivative on any path (the fused call's rule too): it is feedback
     # for the next call, not a function of x to differentiate.
     new = jax.tree.map(lax.stop_gradient, new)
     return y, comp.CompensatorState(new.m1.reshape(shape), new.m2.reshape(shape))
+
+
+def _update_after(x, y, num_ranks, state, config):
+    """The separate update (`state_update="separate"`): `compensator.update_beside` on x, y and
+    the state as the call read it, on the GPU stream of ECHO_JAX_UPDATE_STREAM on GPUs."""
+    stream = comp.update_stream() if transports.base.on_gpu() else 0
+    x, y = lax.stop_gradient(x), lax.stop_gradient(y)  # the state carries no derivative
+    new = comp.update_beside(x, y, num_ranks, state, comp.Coefficients.from_config(config),
+                             stream)
+    return jax.tree.map(lax.stop_gradient, new)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
@@ -369,6 +398,22 @@ def _fused_allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
     t = tangents[0].astype(jnp.float32)
     return (y, n1, n2), (lax.psum(t, axis).astype(y.dtype), jnp.zeros_like(n1),
                          jnp.zeros_like(n2))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
+def _applied_allreduce_f32(x_flat32, m1, m2, factor, axis, num_ranks, config):
+    # As `_fused_allreduce_f32`, but the call only reads m1, m2 (the apply step) and returns y.
+    transport = transports.select(config, axis, x_flat32.shape[0])
+    return transport.allreduce_applied(x_flat32, m1, m2, axis, num_ranks, config, factor=factor)
+
+
+@_applied_allreduce_f32.defjvp
+def _applied_allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
+    # Straight-through for x, as in `_fused_allreduce_f32`; the state and the factor carry none.
+    x, m1, m2, factor = primals
+    y = _applied_allreduce_f32(x, m1, m2, factor, axis, num_ranks, config)
+    t = tangents[0].astype(jnp.float32)
+    return y, lax.psum(t, axis).astype(y.dtype)
 
 
 def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,

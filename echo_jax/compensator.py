@@ -25,11 +25,17 @@ so XLA cannot drop it even where it allows excess precision (it may remove a con
 f32 -> bf16 -> f32). With "float32" nothing is rounded and every bit is as before. The fused
 custom calls (CPU handler, CUDA kernels) take a bfloat16 state too and do the same in C++ (widen
 on load, round to nearest even on store), so every transport gives the same bits.
+
+Where the update runs (`EchoConfig.state_update`): "in_call" inside the all-reduce, where y is
+produced; "separate" as its own op after the call (`update_beside`, the Echo paper Sec. 5.3 and
+Appendix C): it recomputes x' from x, m1, m2 and takes y as the call returned it, and on GPUs it
+is put on a second stream so that XLA can run it beside the next matrix multiplication.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import NamedTuple
 
 import jax
@@ -147,6 +153,67 @@ def update_state(x_prime, y32, num_ranks: int, state: CompensatorState,
                             _store(q2 + r2, jnp.result_type(state.m2)))
 
 
+#: Environment variable: the GPU stream (an int >= 1) the separate update runs on
+#: (`EchoConfig.state_update="separate"`, `update_beside`); 0 leaves it on XLA's compute stream,
+#: one op after the call like any other (to measure what the second stream buys). Default 1.
+UPDATE_STREAM_ENV = "ECHO_JAX_UPDATE_STREAM"
+
+
+def update_stream() -> int:
+    """The stream of the separate update from ECHO_JAX_UPDATE_STREAM (default 1; 0: none)."""
+    raw = os.environ.get(UPDATE_STREAM_ENV, "").strip()
+    if raw == "":
+        return 1
+    try:
+        stream = int(raw)
+    except ValueError:
+        stream = -1
+    if not 0 <= stream <= 64:
+        raise ValueError(f"{UPDATE_STREAM_ENV} must be an int in [0, 64] (0: the update stays on "
+                         f"XLA's compute stream), got {raw!r}")
+    return stream
+
+
+def update_beside(x, y, num_ranks: int, state: CompensatorState, k: Coefficients,
+                  stream: int = 0) -> CompensatorState:
+    """The update step as its own op after the all-reduce (`EchoConfig.state_update="separate"`).
+
+    The Echo paper Sec. 5.3: the update reads x, y, m1, m2 and writes m1, m2 (with the reads of
+    m1, m2 at entry, its "about eight tensor-sized arrays"), recomputing x' = x + c (Eq. 10) from
+    x, m1, m2, then u = x' - y / P (Eq. 4) and the averages (Eq. 11): `apply_correction` and
+    `update_state`, the same arithmetic as the fused calls. y is the sum as the call returned it
+    (widened exactly from x's dtype), so for float32 x every bit equals the in-call update; a
+    16-bit y also feeds its own rounding back.
+
+    Args:
+      x: this rank's contribution before correction, any supported dtype, in m1's shape.
+      y: the all-reduce's result for x' (x's shape and dtype).
+      num_ranks: P.
+      state: the state the call read (its m1, m2 are not changed by the call).
+      k: the config's coefficients.
+      stream: a GPU stream number >= 1: the update is one computation annotated for that stream
+        (`jax.experimental.compute_on`), which XLA runs asynchronously beside the ops that do
+        not need its result (the next matrix multiplication); 0: a plain op on the compute
+        stream. Only meaningful on GPUs (other platforms run it inline either way).
+
+    Returns:
+      The new CompensatorState, in the state's dtype and shape.
+    """
+
+    def update(x, y, m1, m2):
+        m = CompensatorState(m1, m2)
+        x_prime = apply_correction(x.astype(jnp.float32), m, k)
+        return tuple(update_state(x_prime, y.astype(jnp.float32), num_ranks, m, k))
+
+    if stream:
+        from jax.experimental.compute_on import compute_on
+
+        update = compute_on(compute_type=f"gpu_stream:{int(stream)}",
+                            out_memory_spaces=jax.memory.Space.Device)(update)
+    m1, m2 = update(x, y, state.m1, state.m2)
+    return CompensatorState(m1, m2)
+
+
 def to_varying_state(state: CompensatorState | None, axis) -> CompensatorState | None:
     """The state typed as varying over `axis` (m1 and m2 each, `_compat.to_varying`), so that it
     can meet a varying contribution in a type-checked shard_map; None stays None.
@@ -181,4 +248,5 @@ def check_state(state, x, where: str = "echo_psum", config: EchoConfig | None = 
 
 
 __all__ = ["CompensatorState", "init_state", "state_dtype", "Coefficients", "apply_correction",
-           "update_state", "to_varying_state"]
+           "update_state", "update_beside", "update_stream", "UPDATE_STREAM_ENV",
+           "to_varying_state"]

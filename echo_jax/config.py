@@ -19,6 +19,7 @@ TRANSPORTS = ("auto", "p2p", "xla")
 BITS = (4, 8)
 ROTATIONS = ("none", "hadamard")
 STATE_DTYPES = ("float32", "bfloat16")
+STATE_UPDATES = ("in_call", "separate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,15 @@ class EchoConfig:
         and the new averages are rounded to nearest even when stored (`echo_jax.compensator`).
         The fused custom calls (CPU and CUDA) take either dtype, with the same bits as the
         xla transport's apply and update steps in JAX.
+      state_update: where a compensated call's update step (Eq. 4 and 11) runs. "in_call"
+        (default): inside the all-reduce, where y is produced (the fused custom calls' exit
+        pass: the fewest bytes, but on the critical path). "separate": the call runs the apply
+        step in its entry pass and returns y; the update is its own op after it (reading x, y,
+        m1, m2 and writing m1, m2, the Echo paper Sec. 5.3 and Appendix C), which on GPUs is
+        put on a second stream (`compensator.update_beside`) so that it can run beside the next
+        matrix multiplication. The residual is then u = x' - y / P with y as returned, in x's
+        dtype: the same bits as "in_call" for float32 x; for a 16-bit x the output's rounding is
+        fed back too.
 
     Properties:
       wire_bits_per_element: bits sent per value by one quantized copy, codes plus the fp16
@@ -75,6 +85,7 @@ class EchoConfig:
     min_bytes: int = 0
     rotation: str = "none"
     state_dtype: str = "float32"
+    state_update: str = "in_call"
 
     def __post_init__(self):
         # Numbers arrive as Python or NumPy scalars (np.int64(64), np.float32(0.5), 128.0):
@@ -116,6 +127,9 @@ class EchoConfig:
                 f"EchoConfig.group_size must be a power of two with rotation='hadamard' (one "
                 f"Hadamard block per group), got {g}")
         object.__setattr__(self, "state_dtype", _as_state_dtype(self.state_dtype))
+        if not isinstance(self.state_update, str) or self.state_update not in STATE_UPDATES:
+            raise ValueError(f"EchoConfig.state_update must be one of {STATE_UPDATES}, got "
+                             f"{self.state_update!r}")
 
     @property
     def wire_bits_per_element(self) -> float:

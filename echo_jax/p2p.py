@@ -35,7 +35,8 @@ from echo_jax.transports.base import (DEFAULT_TIMEOUT_S, MAX_GROUP_SIZE, MAX_SEG
                                       runtime_ffi_api)
 from echo_jax.transports.base import timeout_ms as _timeout_ms  # noqa: F401
 from echo_jax.transports.cpu import (DEBUG_FAILING_STAGES, DTYPES, MAX_RANKS, POLICY_CODES,
-                                     TARGET, TARGET_COMPENSATED, available_platforms, build_info,
+                                     TARGET, TARGET_APPLIED, TARGET_COMPENSATED,
+                                     available_platforms, build_info,
                                      debug_absent_rank, debug_failing_rank, registry_stats)
 
 
@@ -115,7 +116,8 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     config.rotation="hadamard" the sum is the rotated one (`p2p_allreduce`) and the state stays
     in the original basis; the call stays fused where it rotates by itself. A bfloat16 state
     (config.state_dtype="bfloat16") is fused where the transport's call takes one
-    (`transports.fused_state_dtypes`), else apply and update run in JAX around the call.
+    (`transports.fused_state_dtypes`), else apply and update run in JAX around the call. The
+    update always runs in the call here (config.state_update is `echo_psum`'s choice).
 
     Args:
       x_flat32: [n] contribution before correction, float32, bfloat16 or float16 (passed to the
@@ -151,5 +153,6 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
 __all__ = ["choose", "unavailable_reason", "limit_reason", "available_platforms", "p2p_allreduce",
            "p2p_allreduce_compensated", "debug_absent_rank", "debug_failing_rank", "build_info",
            "runtime_ffi_api", "build_mismatch", "registry_stats", "factor_operand", "TIMEOUT_ENV",
-           "DEFAULT_TIMEOUT_S", "POLICY_CODES", "TARGET", "TARGET_COMPENSATED", "MAX_RANKS",
+           "DEFAULT_TIMEOUT_S", "POLICY_CODES", "TARGET", "TARGET_COMPENSATED", "TARGET_APPLIED",
+           "MAX_RANKS",
            "MAX_GROUP_SIZE", "MAX_SEGMENT_ELEMS", "DTYPES", "DEBUG_FAILING_STAGES"]

@@ -18,6 +18,10 @@
 //   tail    rank i waits for flag_j >= base+2 of every owner j, dequantizes their codes into y
 //           (and updates the state of those segments).
 //
+// The applied call (EchoConfig.state_update = "separate") runs the compensated call's apply step
+// where x is loaded and nothing else of the compensator: m1, m2 are read-only operands and y the
+// only result; the update runs after it as its own op (echo_jax.compensator.update_beside).
+//
 // Dtypes: x and y are float32, bfloat16 or float16 (y in x's dtype), so a 16-bit contribution
 // needs no fp32 copy in XLA around the call. Every load widens x to fp32 exactly, the protocol
 // runs in fp32, and the final store rounds the fp32 sum to y's dtype to nearest even, bit for bit
@@ -189,7 +193,8 @@ struct CallConfig {
   int64_t failing_rank;   // test hook: this rank fails with `failure` (-1: none) ...
   int64_t failing_stage;  // ... in validation, in push or after its tail (kFail*)
   std::string failure;    // the cause it reports
-  bool compensated;
+  bool compensated;     // the apply step x' = x + c where x is loaded (m1, m2 operands)
+  bool update;          // compensated: the update step too, where y is produced (m1_out, m2_out)
   bool rotate;          // the randomized Hadamard rotation of every group (attribute rotate)
   float hadamard_f;     // fp32(1 / sqrt(g)) of the rotation (echo::hadamard_scale)
   echo::CompCoeffs k;
@@ -244,11 +249,12 @@ uint64_t Mix(uint64_t h, uint64_t v) {
 
 // Reads and validates the attributes (limits documented in echo_jax/transports/cpu.py).
 ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, ffi::DataType dtype,
-                                     bool compensated) {
+                                     bool compensated, bool update) {
   CallConfig c{};
   c.dtype = dtype;
   c.n = n;
   c.compensated = compensated;
+  c.update = compensated && update;
   ECHO_FFI_ASSIGN_OR_RETURN(int64_t num_ranks,
                             GetAttrInRange<int64_t>(attrs, "num_ranks", 1, echo::kMaxRanks, kWhere,
                                                     "ranks in the group, the axis size P"));
@@ -317,7 +323,8 @@ ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, ff
   for (uint64_t v : {static_cast<uint64_t>(n), static_cast<uint64_t>(num_ranks),
                      static_cast<uint64_t>(bits), static_cast<uint64_t>(g),
                      static_cast<uint64_t>(policy), static_cast<uint64_t>(compensated),
-                     static_cast<uint64_t>(dtype), static_cast<uint64_t>(rotate)}) {
+                     static_cast<uint64_t>(dtype), static_cast<uint64_t>(rotate),
+                     static_cast<uint64_t>(c.update)}) {
     h = Mix(h, v);
   }
   c.signature = h;
@@ -868,7 +875,7 @@ void QuantizeSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8
 }
 
 // Dequantizes the codes of segment `seg` into y (unpadded part, stored in y's dtype) and, for the
-// compensated call, runs the state update of those elements (the update step, inside the call)
+// compensated call (not the applied one), runs the state update of those elements (the update step, inside the call)
 // with the fp32 sum, before its rounding to a 16-bit y. With cfg.rotate every group is decoded
 // whole (the padding positions of a last partial group included) and rotated back before it is
 // divided by the factor and its first values are stored. `buf` holds g floats.
@@ -893,7 +900,7 @@ void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t
       // Back to the original units: y and the state update never see the factor.
       const float y = echo::mul_rn(buf[t], io.inv_factor);
       StoreY(cfg, io, k, y);
-      if (cfg.compensated) {
+      if (cfg.update) {
         const float m1 = LoadState(io, io.m1, k);  // read before writing: m1_out may alias m1
         const float m2 = LoadState(io, io.m2, k);
         const float xp = echo::comp_apply(LoadX(cfg, io, k), m1, m2, cfg.k);
@@ -922,7 +929,7 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
   }
   if (cfg.absent_rank == me) {  // test hook: behave like a peer that never arrives
     std::memset(io.y, 0, static_cast<size_t>(cfg.n) * ElementBytes(cfg.dtype));  // +0 in any dtype
-    if (cfg.compensated) {
+    if (cfg.update) {
       const size_t bytes = static_cast<size_t>(cfg.n) * (io.state_bf16 ? 2 : 4);
       if (io.m1_out != io.m1) std::memcpy(io.m1_out, io.m1, bytes);
       if (io.m2_out != io.m2) std::memcpy(io.m2_out, io.m2, bytes);
@@ -1248,7 +1255,8 @@ ffi::ErrorOr<Job> PrepareAllReduce(int32_t device_ordinal, ffi::RunId run_id, Bu
   ECHO_FFI_RETURN_IF_ERROR(CheckContribution(x, y));
   const int64_t n = static_cast<int64_t>(x.element_count());
   ECHO_FFI_ASSIGN_OR_RETURN(CallConfig cfg,
-                            ParseConfig(attrs, n, x.element_type(), /*compensated=*/false));
+                            ParseConfig(attrs, n, x.element_type(), /*compensated=*/false,
+                                        /*update=*/false));
   ECHO_FFI_ASSIGN_OR_RETURN(Coords c, ReadCoords(coords, device_ordinal, run_id, cfg.num_ranks));
   ECHO_FFI_RETURN_IF_ERROR(DebugFailValidation(cfg, c));
   ECHO_FFI_ASSIGN_OR_RETURN(float f, ReadFactor(factor));
@@ -1257,18 +1265,22 @@ ffi::ErrorOr<Job> PrepareAllReduce(int32_t device_ordinal, ffi::RunId run_id, Bu
                     1.0f / f, false}};
 }
 
+// The compensated call (m1_out, m2_out given: apply and update) or the applied call (both null:
+// the apply step only, m1 and m2 read-only).
 ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId run_id,
                                               Buffer_Type x, Buffer_Type m1,
                                               Buffer_Type m2, S32Buffer_Type coords,
                                               F32Buffer_Type factor, Result_Type y,
-                                              Result_Type m1_out, Result_Type m2_out,
+                                              Result_Type* m1_out, Result_Type* m2_out,
                                               const Dictionary_Type& attrs) {
   ECHO_FFI_RETURN_IF_ERROR(CheckContribution(x, y));
+  const bool update = m1_out != nullptr;
   const int64_t n = static_cast<int64_t>(x.element_count());
   const ffi::DataType st = m1.element_type();
   ECHO_FFI_CHECK((st == ffi::DataType::F32 || st == ffi::DataType::BF16) &&
-                     m2.element_type() == st && m1_out->element_type() == st &&
-                     m2_out->element_type() == st,
+                     m2.element_type() == st &&
+                     (!update || ((*m1_out)->element_type() == st &&
+                                  (*m2_out)->element_type() == st)),
                  kWhere, "the state m1, m2 (and their results) must be all float32 or all "
                  "bfloat16 (EchoConfig.state_dtype), got dtype codes ",
                  static_cast<int>(st), " / ", static_cast<int>(m2.element_type()));
@@ -1276,17 +1288,18 @@ ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId
                      static_cast<int64_t>(m2.element_count()) == n,
                  kWhere, "state m1/m2 have ", m1.element_count(), "/", m2.element_count(),
                  " elements, the contribution has ", n, "; use echo_jax.init_state(x)");
-  ECHO_FFI_CHECK(static_cast<int64_t>(m1_out->element_count()) == n &&
-                     static_cast<int64_t>(m2_out->element_count()) == n,
+  ECHO_FFI_CHECK(!update || (static_cast<int64_t>((*m1_out)->element_count()) == n &&
+                             static_cast<int64_t>((*m2_out)->element_count()) == n),
                  kWhere, "every result must have ", n, " elements");
-  ECHO_FFI_ASSIGN_OR_RETURN(CallConfig cfg,
-                            ParseConfig(attrs, n, x.element_type(), /*compensated=*/true));
+  ECHO_FFI_ASSIGN_OR_RETURN(
+      CallConfig cfg, ParseConfig(attrs, n, x.element_type(), /*compensated=*/true, update));
   ECHO_FFI_ASSIGN_OR_RETURN(Coords c, ReadCoords(coords, device_ordinal, run_id, cfg.num_ranks));
   ECHO_FFI_RETURN_IF_ERROR(DebugFailValidation(cfg, c));
   ECHO_FFI_ASSIGN_OR_RETURN(float f, ReadFactor(factor));
   return Job{cfg, c,
              RankIO{x.untyped_data(), m1.untyped_data(), m2.untyped_data(), y->untyped_data(),
-                    m1_out->untyped_data(), m2_out->untyped_data(), f, 1.0f / f,
+                    update ? (*m1_out)->untyped_data() : nullptr,
+                    update ? (*m2_out)->untyped_data() : nullptr, f, 1.0f / f,
                     st == ffi::DataType::BF16}};
 }
 
@@ -1310,7 +1323,18 @@ ffi::Future EchoAllReduceCompCpuImpl(int32_t device_ordinal, ffi::RunId run_id,
                                             Result_Type m1_out, Result_Type m2_out,
                                             Dictionary_Type attrs) {
   ffi::ErrorOr<Job> job = PrepareAllReduceCompensated(device_ordinal, run_id, x, m1, m2, coords,
-                                                      factor, y, m1_out, m2_out, attrs);
+                                                      factor, y, &m1_out, &m2_out, attrs);
+  std::optional<FailureAddress> address;
+  if (job.has_error()) address = AddressOf(device_ordinal, run_id, coords, attrs);
+  return Launch(std::move(job), address);
+}
+
+ffi::Future EchoAllReduceAppliedCpuImpl(int32_t device_ordinal, ffi::RunId run_id,
+                                        Buffer_Type x, Buffer_Type m1, Buffer_Type m2,
+                                        S32Buffer_Type coords, F32Buffer_Type factor,
+                                        Result_Type y, Dictionary_Type attrs) {
+  ffi::ErrorOr<Job> job = PrepareAllReduceCompensated(device_ordinal, run_id, x, m1, m2, coords,
+                                                      factor, y, nullptr, nullptr, attrs);
   std::optional<FailureAddress> address;
   if (job.has_error()) address = AddressOf(device_ordinal, run_id, coords, attrs);
   return Launch(std::move(job), address);
@@ -1359,3 +1383,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<echo::Buffer_Type>()            // m1_out: [n] m1's dtype, updated slow average
         .Ret<echo::Buffer_Type>()            // m2_out: [n] m2's dtype, updated fast average
         .Attrs());  // as above plus ea, eb, b1, c1, b2, c2, inv_p (fp32 coefficients)
+
+// echo_allreduce_applied_cpu (platform "cpu"): the apply step fused into the all-reduce, the
+// update left to its own op (EchoConfig.state_update = "separate").
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    echo_allreduce_applied_cpu, echo::cpu::EchoAllReduceAppliedCpuImpl,
+    echo::FFI::Bind()
+        .Ctx<xla::ffi::DeviceOrdinal>()          // this rank's device (identifies it in the join)
+        .Ctx<xla::ffi::RunId>()                  // this execution, shared by all its devices
+        .Arg<echo::Buffer_Type>()            // x: [n] f32/bf16/f16, before correction
+        .Arg<echo::Buffer_Type>()            // m1: [n] f32/bf16, slow average (read only)
+        .Arg<echo::Buffer_Type>()            // m2: [n] m1's dtype, fast average (read only)
+        .Arg<echo::S32Buffer_Type>()         // coords: int32 [2] = (rank, group id)
+        .Arg<echo::F32Buffer_Type>()         // factor: f32 [1], applied after x + c
+        .Ret<echo::Buffer_Type>()            // y: [n] x's dtype, QAR(x + c), same on all ranks
+        .Attrs());  // as the compensated call's (its b1, c1, b2, c2, inv_p are not used)

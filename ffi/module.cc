@@ -28,6 +28,7 @@ namespace nb = nanobind;
 // Handlers defined in ffi/echo_allreduce_cpu.cc.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(echo_allreduce_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(echo_allreduce_comp_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(echo_allreduce_applied_cpu);
 
 // (The CUDA handlers live in a second module, echo_jax._ffi_cuda: ffi/module_cuda.cc.)
 
@@ -102,6 +103,7 @@ NB_MODULE(_ffi, m) {
         nb::dict d;
         d["echo_allreduce_cpu"] = EncapsulateFfiHandler(echo_allreduce_cpu);
         d["echo_allreduce_comp_cpu"] = EncapsulateFfiHandler(echo_allreduce_comp_cpu);
+        d["echo_allreduce_applied_cpu"] = EncapsulateFfiHandler(echo_allreduce_applied_cpu);
         return d;
       },
       "FFI target name -> handler capsule of the CPU handlers (platform 'cpu').");

@@ -96,6 +96,12 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_MIN_BLOCKS_ROT_16
 #define ECHO_P2P_MIN_BLOCKS_ROT_16 4
 #endif
+// The applied call's unrotated 16-bit instances (EchoConfig.state_update = "separate"): ptxas
+// gives them 70-73 registers (3 blocks an SM) against the 64 of the compensated ones that also
+// update; not measured yet, so no bound (1). A build may try 4 (64 registers).
+#ifndef ECHO_P2P_MIN_BLOCKS_APPLIED_16
+#define ECHO_P2P_MIN_BLOCKS_APPLIED_16 1
+#endif
 
 // Error codes written to the host-mapped error word (1 + stage * 256 + peer).
 enum Stage : int { kStagePush = 0, kStageGather = 1 };
@@ -227,8 +233,9 @@ __device__ __forceinline__ void load_contrib(const KernelArgs& a, int64_t i, flo
   for (int k = 0; k < VEC; ++k) v[k] = mul_rn(v[k], f);
 }
 
-// Stores the output and, when COMP, updates m1/m2 in place (Eq. 4 and 11) from y in fp32.
-template <typename T, int VEC, bool COMP>
+// Stores the output and, when COMP and UPDATE, updates m1/m2 in place (Eq. 4 and 11) from y in
+// fp32 (UPDATE false: the applied call, EchoConfig.state_update = "separate", as FastStages').
+template <typename T, int VEC, bool COMP, bool UPDATE = COMP>
 __device__ __forceinline__ void store_output(const KernelArgs& a, int64_t i,
                                              const float* y_scaled) {
   float y[VEC];  // back in x's units before the output and the update
@@ -236,7 +243,7 @@ __device__ __forceinline__ void store_output(const KernelArgs& a, int64_t i,
 #pragma unroll
   for (int k = 0; k < VEC; ++k) y[k] = mul_rn(y_scaled[k], inv);
   store_vec<T, VEC>(static_cast<T*>(a.y), i, a.n, y, a.aligned);
-  if constexpr (COMP) {
+  if constexpr (COMP && UPDATE) {
     // x' is recomputed from x, m1, m2 (each read once here) rather than kept from the push
     // stage: the tail runs long after the push of the same values.
     float xp[VEC], m1[VEC], m2[VEC], n1[VEC], n2[VEC];
@@ -344,7 +351,7 @@ __device__ __forceinline__ void sum_chunk(const KernelArgs& a, int64_t e, int64_
 }
 
 // reduce + gather of one group of the own segment.
-template <typename T, int VEC, bool COMP>
+template <typename T, int VEC, bool COMP, bool UPDATE = COMP>
 __device__ void reduce_group(const KernelArgs& a, int64_t grp, int64_t local, int lane) {
   const int cb = a.g * a.bits / 8;
   const int np = num_params(a.policy);
@@ -389,12 +396,12 @@ __device__ void reduce_group(const KernelArgs& a, int64_t grp, int64_t local, in
     const int64_t byte = local * cb + c * VEC * a.bits / 8;
     for (int r = 0; r < a.P; ++r)
       store_codes<VEC>(a.ws[r] + gather_slot(a.me, a.P, a.slot_bytes) + byte, a.bits, codes);
-    store_output<T, VEC, COMP>(a, e0 + c * VEC, y);
+    store_output<T, VEC, COMP, UPDATE>(a, e0 + c * VEC, y);
   }
 }
 
 // tail: dequantize one group of owner seg's reduced code.
-template <typename T, int VEC, bool COMP>
+template <typename T, int VEC, bool COMP, bool UPDATE = COMP>
 __device__ void tail_group(const KernelArgs& a, int seg, int64_t grp, int64_t local, int lane) {
   const int cb = a.g * a.bits / 8;
   const int np = num_params(a.policy);
@@ -406,12 +413,13 @@ __device__ void tail_group(const KernelArgs& a, int seg, int64_t grp, int64_t lo
   for (int c = lane; c < chunks; c += kWarp) {
     float y[VEC];
     decode_chunk<VEC>(slot + local * cb + c * VEC * a.bits / 8, d, a.bits, y);
-    store_output<T, VEC, COMP>(a, e0 + c * VEC, y);
+    store_output<T, VEC, COMP, UPDATE>(a, e0 + c * VEC, y);
   }
 }
 
 // The generic stages over a tile: one warp per group, g / bits / policy at run time (any g).
-template <typename T, int VEC, bool COMP>
+// UPDATE as in FastStages (false: the applied call).
+template <typename T, int VEC, bool COMP, bool UPDATE = COMP>
 struct GenericStages {
   static constexpr int kMinBlocks = 1;  // __launch_bounds__' second argument
   __device__ static void setup() {}
@@ -421,11 +429,11 @@ struct GenericStages {
   }
   __device__ static void reduce(const KernelArgs& a, int64_t first, int count, int64_t local0,
                                 int warp, int warps, int lane) {
-    for (int q = warp; q < count; q += warps) reduce_group<T, VEC, COMP>(a, first + q, local0 + q, lane);
+    for (int q = warp; q < count; q += warps) reduce_group<T, VEC, COMP, UPDATE>(a, first + q, local0 + q, lane);
   }
   __device__ static void tail(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
-    for (int q = warp; q < count; q += warps) tail_group<T, VEC, COMP>(a, seg, first + q, local0 + q, lane);
+    for (int q = warp; q < count; q += warps) tail_group<T, VEC, COMP, UPDATE>(a, seg, first + q, local0 + q, lane);
   }
 };
 
@@ -435,7 +443,7 @@ struct GenericStages {
 // fallback of the fast stages (g outside their instances, rows not 16-byte aligned), so plain.
 constexpr int kMaxRotatedGroup = 1024;
 
-template <typename T, bool COMP>
+template <typename T, bool COMP, bool UPDATE = COMP>
 struct RotatedGenericStages {
   static constexpr int VEC = 2;  // g >= 2 and even: two values a chunk (one byte of 4-bit codes)
   static constexpr int kMinBlocks = 1;
@@ -557,7 +565,7 @@ struct RotatedGenericStages {
       }
       rotate(b, a.g, lane, a.rot_scale, true);
       for (int c = lane; c < a.g / VEC; c += kWarp)
-        store_output<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
+        store_output<T, VEC, COMP, UPDATE>(a, e0 + c * VEC, b + c * VEC);
       __syncwarp();
     }
   }
@@ -578,7 +586,7 @@ struct RotatedGenericStages {
         decode_chunk<VEC>(slot + local * cb + c * VEC * a.bits / 8, d, a.bits, b + c * VEC);
       rotate(b, a.g, lane, a.rot_scale, true);
       for (int c = lane; c < a.g / VEC; c += kWarp)
-        store_output<T, VEC, COMP>(a, e0 + c * VEC, b + c * VEC);
+        store_output<T, VEC, COMP, UPDATE>(a, e0 + c * VEC, b + c * VEC);
       __syncwarp();
     }
   }
@@ -604,7 +612,11 @@ struct RotatedGenericStages {
 // (the rotated fp32 compensated instance 64 -> 80 registers, g = 128, sm_90a), and with it the
 // bf16 state was not faster than the fp32 one (one H200: 2.750 against 2.665 ms, fp32 x, 4
 // virtual ranks, 256 MB a rank; as a template parameter 2.390 against 2.615).
-template <typename T, int G, int BITS, bool COMP, bool ROT, typename S = float>
+// UPDATE (COMP only): the update step where y is produced; false: the applied call's instances
+// (EchoConfig.state_update = "separate": the apply step alone, m1 and m2 only read). A template
+// parameter: as a run-time flag (a uniform branch) it raised the compensated instances'
+// registers (64 -> 79-90, 80 -> 89-95, ptxas sm_90a); the generic stages take it likewise.
+template <typename T, int G, int BITS, bool COMP, bool ROT, typename S = float, bool UPDATE = COMP>
 struct FastStages {
   // Two loads a lane: the stages hold a piece's values, state and output at once (registers).
   // One in the compensated 16-bit instances: with two, the unrotated ones' update's prefetched
@@ -621,9 +633,10 @@ struct FastStages {
   static constexpr int kPieceBytes = kVec * BITS / 8;
   static constexpr int kCodeBytes = G * BITS / 8;
   // Blocks of kThreads an SM that ptxas must fit (__launch_bounds__; kernel_of), uncompensated
-  // instances only (ECHO_P2P_MIN_BLOCKS_32 / _16, rotated: _ROT_32 / _ROT_16); 1: no bound.
+  // instances (ECHO_P2P_MIN_BLOCKS_32 / _16, rotated: _ROT_32 / _ROT_16) and the applied call's
+  // unrotated 16-bit ones (_APPLIED_16); 1: no bound.
   static constexpr int kMinBlocks =
-      COMP ? 1
+      COMP ? (!UPDATE && !ROT && sizeof(T) == 2 ? ECHO_P2P_MIN_BLOCKS_APPLIED_16 : 1)
       : ROT ? (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_ROT_32 : ECHO_P2P_MIN_BLOCKS_ROT_16)
             : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);
 
@@ -726,7 +739,7 @@ struct FastStages {
     float x[kVec], m1[kVec], m2[kVec];
   };
   __device__ static void load_update(const KernelArgs& a, int64_t e, UpdateIn& in) {
-    if constexpr (COMP) {
+    if constexpr (COMP && UPDATE) {
       load_raw(a, e, in.x);
       load_state(a, a.m1, e, in.m1);
       load_state(a, a.m2, e, in.m2);
@@ -754,7 +767,7 @@ struct FastStages {
       for (int t = 0; t < kVec; ++t)
         if (e + t < a.n) out[e + t] = from_f32<T>(y[t]);
     }
-    if constexpr (COMP) {
+    if constexpr (COMP && UPDATE) {  // the applied call leaves the update to its own op
       float n1[kVec], n2[kVec];
 #pragma unroll
       for (int t = 0; t < kVec; ++t) {
@@ -1345,6 +1358,7 @@ struct CallAttrs {
   CompCoeffs k;
   const float* factor;  // device f32[1], the rescaling's power of two
   bool state_bf16;      // the compensated call's m1, m2 are bf16 (else fp32)
+  bool update;          // the compensated call updates m1, m2; false: the applied call
 };
 
 LaunchPlan make_plan(const Group& grp, const CallAttrs& at, int64_t seg_groups, int resident) {
@@ -1412,33 +1426,53 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
   return ffi::Error::Success();
 }
 
-// The fast kernel instance for (T, g, bits, COMP, ROT, state type S), or nullptr when g has none.
-template <typename T, bool COMP, bool ROT, typename S, int BITS, int... Gs>
+// The fast kernel instance for (T, g, bits, COMP, ROT, state type S, UPDATE), or nullptr when g
+// has none.
+template <typename T, bool COMP, bool ROT, typename S, bool UPDATE, int BITS, int... Gs>
 void (*fast_kernel_for(int g))(KernelArgs) {
   void (*kernel)(KernelArgs) = nullptr;
-  ((g == Gs ? (kernel = kernel_of<FastStages<T, Gs, BITS, COMP, ROT, S>, T>(), true)
+  ((g == Gs ? (kernel = kernel_of<FastStages<T, Gs, BITS, COMP, ROT, S, UPDATE>, T>(), true)
             : false) ||
    ...);
   return kernel;
 }
 
-template <typename T, bool COMP, bool ROT, typename S = float>
+template <typename T, bool COMP, bool ROT, typename S = float, bool UPDATE = COMP>
 void (*fast_kernel_for_bits(int bits, int g))(KernelArgs) {
-  return bits == 4 ? fast_kernel_for<T, COMP, ROT, S, 4, 32, 64, 128, 256>(g)
-                   : fast_kernel_for<T, COMP, ROT, S, 8, 32, 64, 128, 256>(g);
+  return bits == 4 ? fast_kernel_for<T, COMP, ROT, S, UPDATE, 4, 32, 64, 128, 256>(g)
+                   : fast_kernel_for<T, COMP, ROT, S, UPDATE, 8, 32, 64, 128, 256>(g);
+}
+
+// The fast instance of a compensated call for its state's type, rotated or not.
+template <typename T, typename S, bool UPDATE>
+void (*fast_compensated_kernel(const CallAttrs& at))(KernelArgs) {
+  return at.rotate ? fast_kernel_for_bits<T, true, true, S, UPDATE>(at.bits, at.g)
+                   : fast_kernel_for_bits<T, true, false, S, UPDATE>(at.bits, at.g);
 }
 
 // The fast instance for a call: rotated or not, and for a compensated call its state's type
-// (only compensated calls have bf16-state instances).
+// (only compensated calls have bf16-state instances) and whether it updates the state (the
+// applied call does not).
 template <typename T, bool COMP>
 void (*fast_kernel_for_call(const CallAttrs& at))(KernelArgs) {
   if constexpr (COMP) {
     if (at.state_bf16)
-      return at.rotate ? fast_kernel_for_bits<T, COMP, true, __nv_bfloat16>(at.bits, at.g)
-                       : fast_kernel_for_bits<T, COMP, false, __nv_bfloat16>(at.bits, at.g);
+      return at.update ? fast_compensated_kernel<T, __nv_bfloat16, true>(at)
+                       : fast_compensated_kernel<T, __nv_bfloat16, false>(at);
+    return at.update ? fast_compensated_kernel<T, float, true>(at)
+                     : fast_compensated_kernel<T, float, false>(at);
   }
   return at.rotate ? fast_kernel_for_bits<T, COMP, true>(at.bits, at.g)
                    : fast_kernel_for_bits<T, COMP, false>(at.bits, at.g);
+}
+
+// The generic instance for a call (any g; rotated or not).
+template <typename T, bool COMP, bool UPDATE>
+void (*generic_kernel(const CallAttrs& at))(KernelArgs) {
+  if (at.rotate) return echo_allreduce_kernel<RotatedGenericStages<T, COMP, UPDATE>, T>;
+  return at.g % 4 == 0   ? echo_allreduce_kernel<GenericStages<T, 4, COMP, UPDATE>, T>
+         : at.g % 2 == 0 ? echo_allreduce_kernel<GenericStages<T, 2, COMP, UPDATE>, T>
+                         : echo_allreduce_kernel<GenericStages<T, 1, COMP, UPDATE>, T>;
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -1456,12 +1490,11 @@ ffi::Error run_rank(Group& grp, int rank, cudaStream_t stream, const CallAttrs& 
   if (fast_ok && aligned && fast::has_fast_policy(at.policy) && !fast::generic_kernels_forced()) {
     kernel = fast_kernel_for_call<T, COMP>(at);
   }
-  if (kernel == nullptr && at.rotate) {
-    kernel = echo_allreduce_kernel<RotatedGenericStages<T, COMP>, T>;
-  } else if (kernel == nullptr) {
-    kernel = at.g % 4 == 0   ? echo_allreduce_kernel<GenericStages<T, 4, COMP>, T>
-             : at.g % 2 == 0 ? echo_allreduce_kernel<GenericStages<T, 2, COMP>, T>
-                             : echo_allreduce_kernel<GenericStages<T, 1, COMP>, T>;
+  if (kernel == nullptr) {
+    if constexpr (COMP)
+      kernel = at.update ? generic_kernel<T, true, true>(at) : generic_kernel<T, true, false>(at);
+    else
+      kernel = generic_kernel<T, false, false>(at);
   }
   return launch(grp, rank, stream, at, kernel, x, y, m1, m2, n, aligned, ranks_on_device);
 }
@@ -1547,6 +1580,8 @@ ffi::Error check_state(const ffi::AnyBuffer& x, const std::optional<ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// m1_out, m2_out: the compensated call's results (updated in place); nullptr with a state: the
+// applied call (at.update false), whose kernels only read m1, m2.
 ffi::Error RankImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi::AnyBuffer> m1,
                     std::optional<ffi::AnyBuffer> m2, ffi::Result<ffi::AnyBuffer> y,
                     void* m1_out, void* m2_out, CallAttrs at, ffi::Span<const int64_t> groups) {
@@ -1608,9 +1643,10 @@ ffi::Error RankImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi::An
   err = check_health(*grp, rank);
   if (err.failure()) return err;
   const int64_t n = static_cast<int64_t>(x.element_count());
-  void* pm1 = m1_out;
-  void* pm2 = m2_out;
-  if (m1.has_value() && m1_out != m1->untyped_data()) {  // no aliasing: start from the inputs
+  at.update = m1_out != nullptr;
+  void* pm1 = at.update || !m1.has_value() ? m1_out : m1->untyped_data();  // read-only if applied
+  void* pm2 = at.update || !m1.has_value() ? m2_out : m2->untyped_data();
+  if (at.update && m1_out != m1->untyped_data()) {  // no aliasing: start from the inputs
     cudaMemcpyAsync(m1_out, m1->untyped_data(), m1->size_bytes(), cudaMemcpyDeviceToDevice, stream);
     cudaMemcpyAsync(m2_out, m2->untyped_data(), m2->size_bytes(), cudaMemcpyDeviceToDevice, stream);
   }
@@ -1670,7 +1706,12 @@ ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi:
   }
   const size_t esize = ffi::ByteWidth(x.element_type());
   const size_t ssize = at.state_bf16 ? 2 : 4;  // bytes of a state value
-  if (m1.has_value() && m1_out != m1->untyped_data()) {
+  at.update = m1_out != nullptr;  // with a state and no results: the applied call, m1, m2 read
+  if (m1.has_value() && !at.update) {
+    m1_out = m1->untyped_data();
+    m2_out = m2->untyped_data();
+  }
+  if (at.update && m1_out != m1->untyped_data()) {
     cudaMemcpyAsync(m1_out, m1->untyped_data(), m1->size_bytes(), cudaMemcpyDeviceToDevice, stream);
     cudaMemcpyAsync(m2_out, m2->untyped_data(), m2->size_bytes(), cudaMemcpyDeviceToDevice, stream);
   }
@@ -1708,7 +1749,7 @@ CallAttrs make_attrs(ffi::Buffer<ffi::F32> factor, int64_t bits, int64_t g, int6
   return CallAttrs{static_cast<int>(bits), static_cast<int>(g), static_cast<int>(policy),
                    static_cast<int>(P), std::max<int64_t>(1, timeout_ms), rotate,
                    CompCoeffs{ea, eb, b1, c1, b2, c2, inv_p},
-                   factor.element_count() == 1 ? factor.typed_data() : nullptr, false};
+                   factor.element_count() == 1 ? factor.typed_data() : nullptr, false, true};
 }
 
 }  // namespace
@@ -1788,6 +1829,39 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("c2")      // 1 - beta2
         .Attr<float>("inv_p"));  // f32(1 / P)
 
+// The applied call (EchoConfig.state_update = "separate"): the apply step in the entry pass, m1
+// and m2 read only, y the one result; the update runs after it as its own op.
+static ffi::Error EchoAllReduceAppliedCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                                           ffi::AnyBuffer m1, ffi::AnyBuffer m2,
+                                           ffi::Buffer<ffi::F32> factor,
+                                           ffi::Result<ffi::AnyBuffer> y, int64_t bits,
+                                           int64_t group_size, int64_t policy, int64_t num_ranks,
+                                           int64_t timeout_ms, int64_t rotate,
+                                           ffi::Span<const int64_t> groups, float ea, float eb) {
+  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, rotate,
+                                  ea, eb, 0, 0, 0, 0, 1.0f / static_cast<float>(num_ranks));
+  return echo::cuda::RankImpl(stream, x, m1, m2, y, nullptr, nullptr, at, groups);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    echo_allreduce_applied_cuda, EchoAllReduceAppliedCudaImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream of this device
+        .Arg<ffi::AnyBuffer>()                     // x: contribution before compensation
+        .Arg<ffi::AnyBuffer>()                     // m1: slow average, f32/bf16 (read only)
+        .Arg<ffi::AnyBuffer>()                     // m2: fast average, m1's dtype (read only)
+        .Arg<ffi::Buffer<ffi::F32>>()              // factor: f32[1], applied after x + c
+        .Ret<ffi::AnyBuffer>()                     // y: the sum of the compensated x'
+        .Attr<int64_t>("bits")
+        .Attr<int64_t>("group_size")
+        .Attr<int64_t>("policy")
+        .Attr<int64_t>("num_ranks")
+        .Attr<int64_t>("timeout_ms")
+        .Attr<int64_t>("rotate")
+        .Attr<ffi::Span<const int64_t>>("groups")
+        .Attr<float>("ea")      // eta * a
+        .Attr<float>("eb"));    // eta * (1 - a)
+
 static ffi::Error EchoAllReduceVirtualCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
                                            ffi::Buffer<ffi::F32> factor,
                                            ffi::Result<ffi::AnyBuffer> y, int64_t bits,
@@ -1851,3 +1925,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("b2")
         .Attr<float>("c2")
         .Attr<float>("inv_p"));
+
+static ffi::Error EchoAllReduceVirtualAppliedCudaImpl(
+    cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer m1, ffi::AnyBuffer m2,
+    ffi::Buffer<ffi::F32> factor, ffi::Result<ffi::AnyBuffer> y, int64_t bits, int64_t group_size,
+    int64_t policy, int64_t num_ranks, int64_t timeout_ms, int64_t rotate, float ea, float eb) {
+  const CallAttrs at = make_attrs(factor, bits, group_size, policy, num_ranks, timeout_ms, rotate,
+                                  ea, eb, 0, 0, 0, 0, 1.0f / static_cast<float>(num_ranks));
+  return echo::cuda::VirtualImpl(stream, x, m1, m2, y, nullptr, nullptr, at, -1);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    echo_allreduce_virtual_applied_cuda, EchoAllReduceVirtualAppliedCudaImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: forks to P rank streams
+        .Arg<ffi::AnyBuffer>()                     // x: [P, n]
+        .Arg<ffi::AnyBuffer>()                     // m1: [P, n] f32/bf16 (read only)
+        .Arg<ffi::AnyBuffer>()                     // m2: [P, n] m1's dtype (read only)
+        .Arg<ffi::Buffer<ffi::F32>>()              // factor: f32[1], shared by the P ranks
+        .Ret<ffi::AnyBuffer>()                     // y: [P, n]
+        .Attr<int64_t>("bits")
+        .Attr<int64_t>("group_size")
+        .Attr<int64_t>("policy")
+        .Attr<int64_t>("num_ranks")
+        .Attr<int64_t>("timeout_ms")
+        .Attr<int64_t>("rotate")
+        .Attr<float>("ea")
+        .Attr<float>("eb"));

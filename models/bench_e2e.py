@@ -119,12 +119,14 @@ class BackgroundLoad:
         return False
 
 
-_MODE_RE = re.compile(r"^(psum|echo(4|8)(-comp(-bf16state)?)?)$")
+_MODE_RE = re.compile(r"^(psum|echo(4|8)(-comp(-bf16state)?(-separate)?)?)$")
 
 
 def parse_modes(text: str) -> list:
     """All-reduce modes of `bench e2e`: psum (exact, 16-bit), echo8, echo4, echo4-comp, ...
-    (``-comp-bf16state``: compensated with a bfloat16 state, `EchoConfig.state_dtype`).
+    (``-comp-bf16state``: compensated with a bfloat16 state, `EchoConfig.state_dtype`; a
+    ``-separate`` suffix on a compensated mode: the update as its own op beside the next matrix
+    multiplication, `EchoConfig.state_update="separate"`, e.g. echo4-comp-separate).
 
     Args:
       text: comma list of modes.
@@ -135,8 +137,9 @@ def parse_modes(text: str) -> list:
     modes = [m.strip() for m in text.split(",") if m.strip()]
     for m in modes:
         if not _MODE_RE.match(m):
-            raise ValueError(f"bad mode {m!r}: use psum, echo8, echo4, echo8-comp, echo4-comp "
-                             "or echo4-comp-bf16state")
+            raise ValueError(f"bad mode {m!r}: use psum, echo8, echo4, echo8-comp, echo4-comp, "
+                             "echo4-comp-bf16state, or a compensated mode with -separate (e.g. "
+                             "echo4-comp-separate)")
     if "psum" in modes:
         modes.remove("psum")
     return ["psum"] + modes
@@ -175,8 +178,10 @@ def _comm_for(mode: str, tp: int, transport: str):
     m = _MODE_RE.match(mode)
     bits, comp = int(m.group(2)), bool(m.group(3))
     state_dtype = "bfloat16" if m.group(4) else "float32"
+    state_update = "separate" if m.group(5) else "in_call"
     return CommConfig(tp=tp, echo=EchoConfig(bits=bits, eta=0.75 if comp else 0.0,
-                                             transport=transport, state_dtype=state_dtype))
+                                             transport=transport, state_dtype=state_dtype,
+                                             state_update=state_update))
 
 
 def default_tp(model_cfg, num_devices: int) -> int:
@@ -411,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "%(default)s)")
     p.add_argument("--modes", type=_modes_arg, default=parse_modes("psum,echo4-comp"),
                    help="all-reduce modes: psum (exact 16-bit), echo8, echo4, echo8-comp, "
-                        "echo4-comp, echo4-comp-bf16state (a bfloat16 compensator state) "
+                        "echo4-comp, echo4-comp-bf16state (a bfloat16 compensator state), a "
+                        "compensated mode with -separate (the update beside the next matmul) "
                         "(default: psum,echo4-comp)")
     p.add_argument("--transport", choices=("auto", "p2p", "xla"), default="auto",
                    help="Echo transport (default: %(default)s)")

@@ -119,8 +119,12 @@ def add_comm_args(parser: argparse.ArgumentParser, default_bits: int = 16) -> No
                         "xla, or p2p. Simulated ranks always use xla.")
     g.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="storage dtype of the compensator state m1, m2 (computed in fp32 "
-                        "either way; bfloat16 rounds the stored state to nearest even and runs "
-                        "unfused). Default float32.")
+                        "either way; bfloat16 rounds the stored state to nearest even). Default "
+                        "float32.")
+    g.add_argument("--state-update", choices=("in_call", "separate"), default="in_call",
+                   help="where the compensator's update runs: in_call (inside the all-reduce) "
+                        "or separate (its own op after it, on a second GPU stream beside the "
+                        "next matrix multiplication). Default in_call.")
     g.add_argument("--site-bits", metavar="FILE",
                    help="per-site precision: a site-policy JSON (written by python -m "
                         "models.calibrate) giving every all-reduce site its own bits / group "
@@ -141,9 +145,11 @@ def comm_from_args(args):
         except FileNotFoundError as err:
             raise ValueError(f"--site-bits: {err}") from None
         sd = getattr(args, "state_dtype", "float32")
-        if sd != "float32":
+        su = getattr(args, "state_update", "in_call")
+        if sd != "float32" or su != "in_call":
             policy = dataclasses.replace(policy, configs=tuple(
-                None if c is None else c.replace(state_dtype=sd) for c in policy.configs))
+                None if c is None else c.replace(state_dtype=sd, state_update=su)
+                for c in policy.configs))
         on = not args.no_compensation
         return CommConfig(tp=args.tp, site_policy=policy, compensate_forward=on,
                           compensate_backward=on)
@@ -155,7 +161,8 @@ def comm_from_args(args):
     eta = 0.0 if args.no_compensation else args.eta
     echo = EchoConfig(bits=args.bits, group_size=args.group_size, policy=args.policy, eta=eta,
                       transport=args.transport, rotation=getattr(args, "rotation", "none"),
-                      state_dtype=getattr(args, "state_dtype", "float32"))
+                      state_dtype=getattr(args, "state_dtype", "float32"),
+                      state_update=getattr(args, "state_update", "in_call"))
     return CommConfig(tp=args.tp, echo=echo, early_8bit=args.early_8bit)
 
 

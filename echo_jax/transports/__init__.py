@@ -17,6 +17,9 @@ A transport is a module with
   apply and the update steps, with ``FUSED_STATE_DTYPES`` (default ("float32",)) the state
   dtypes it takes (`fused_state_dtypes`). `echo_psum` takes the fused path where the chosen
   transport has it (and `collective.fused_compensation` allows it);
+* optionally ``allreduce_applied(x_flat, m1, m2, axis, num_ranks, config, factor=None)``: the
+  apply step alone fused into the call's entry pass, y returned, m1 and m2 only read
+  (`EchoConfig.state_update="separate"`, `has_fused_apply`);
 * optionally ``fused_rotation(config)``: whether the call rotates by itself for this config
   (`has_fused_rotation`; a transport without it counts as False). Where it does not,
   `echo_psum` rotates in JAX around it and passes it ``rotation="none"``.
@@ -119,6 +122,14 @@ def has_fused_compensation(transport) -> bool:
     return callable(getattr(transport, "allreduce_compensated", None))
 
 
+def has_fused_apply(transport) -> bool:
+    """Whether a transport module fuses the apply step alone into its call (`allreduce_applied`,
+    for `EchoConfig.state_update="separate"`); it takes the state dtypes of its compensated
+    call (`fused_state_dtypes`)."""
+    return has_fused_compensation(transport) and callable(
+        getattr(transport, "allreduce_applied", None))
+
+
 def fused_state_dtypes(transport) -> tuple[str, ...]:
     """The compensator state dtypes (`EchoConfig.state_dtype`) a transport module's fused
     compensated call takes: its ``FUSED_STATE_DTYPES``, ("float32",) when it has none, () when
@@ -142,6 +153,6 @@ def has_fused_rotation(transport, config: EchoConfig) -> bool:
 
 
 __all__ = ["select", "resolve", "custom_call", "unavailable_reason", "limit_reason",
-           "has_fused_compensation", "fused_state_dtypes", "has_fused_rotation", "FORCE_XLA_ENV",
+           "has_fused_compensation", "has_fused_apply", "fused_state_dtypes", "has_fused_rotation", "FORCE_XLA_ENV",
            "base", "xla", "cpu",
            "cuda"]

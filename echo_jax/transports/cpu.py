@@ -54,7 +54,7 @@ debug_failure      on purpose
 rotate             1: rotate every group (`config.rotation == "hadamard"`; g a power of two),
                    0: no rotation
 ea, eb, b1, c1,    fp32 coefficients of `compensator.Coefficients` and f32(1/P)
-b2, c2, inv_p  (compensated call only)
+b2, c2, inv_p  (compensated and applied calls only)
 =================  =========================================================================
 
 Operands: x [n] in float32, bfloat16 or float16, (for the compensated call m1, m2 in fp32 or bf16,
@@ -64,6 +64,8 @@ dtype: a 16-bit x enters and leaves the call in its own dtype (no fp32 copy of i
 call); the handler loads it to fp32 exactly, runs the protocol in fp32 and rounds the sum to x's
 dtype to nearest even, like `xla_allreduce(x.astype(f32)).astype(x.dtype)`. The compensated call
 updates its state (fp32 or bf16, `FUSED_STATE_DTYPES`) with the fp32 sum, before that rounding.
+The applied call (`allreduce_applied`, `EchoConfig.state_update="separate"`) takes m1, m2 as
+read-only operands, runs the apply step only and returns y; the update is left to its own op.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ NAME = "p2p"
 
 TARGET = "echo_allreduce_cpu"
 TARGET_COMPENSATED = "echo_allreduce_comp_cpu"
+TARGET_APPLIED = "echo_allreduce_applied_cpu"
 
 MAX_RANKS = 256
 #: dtypes of the contribution x (and of the sum y): the call reads and writes them itself.
@@ -354,6 +357,36 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
             _compat.to_varying(m2, varying))
 
 
+def allreduce_applied(x_flat32, m1_flat, m2_flat, axis, num_ranks: int, config: EchoConfig,
+                      factor=None):
+    """The apply step (Eq. 10) fused into the CPU custom call's entry pass, without the update.
+
+    For `EchoConfig.state_update="separate"`: the call forms x' = x + eta (a m1 + (1 - a) m2)
+    where it loads x and returns QAR(x') only; m1 and m2 are read, not written, and the update
+    (`compensator.update_state` on x' and y) runs after the call as its own op. The bits of y are
+    those of `allreduce_compensated`'s y.
+
+    Args:
+      x_flat32, m1_flat, m2_flat, axis, num_ranks, config, factor: as `allreduce_compensated`.
+
+    Returns:
+      y [n] in x's dtype, identical on every rank (typed like lax.psum's result).
+    """
+    attrs = _check_call("p2p_allreduce_applied", x_flat32, axis, num_ranks, config,
+                        states=(("m1_flat", m1_flat), ("m2_flat", m2_flat)))
+    k = comp.Coefficients.from_config(config)
+    _register(base.current_platform())
+    n = jnp.shape(x_flat32)[0]
+    call = jax.ffi.ffi_call(TARGET_APPLIED, jax.ShapeDtypeStruct((n,), x_flat32.dtype),
+                            vmap_method="sequential")
+    f32 = np.float32
+    coords = _coords(axis)
+    y = call(x_flat32, m1_flat, m2_flat, coords, factor_operand(factor, coords), **attrs,
+             ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2), c2=f32(k.c2),
+             inv_p=f32(1.0 / int(num_ranks)))
+    return base.typed_like_psum(y, axis, x_flat32, m1_flat, m2_flat)
+
+
 def build_info() -> dict:
     """The XLA FFI headers echo_jax._ffi was compiled against: {"jaxlib": release or "unknown",
     "xla_ffi_api": (major, minor)}; empty without the extension. The install takes them from the
@@ -367,7 +400,8 @@ def registry_stats() -> dict:
 
 
 __all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "allreduce_compensated",
-           "fused_rotation", "FUSED_STATE_DTYPES",
+           "allreduce_applied", "fused_rotation", "FUSED_STATE_DTYPES",
            "available_platforms", "debug_absent_rank", "debug_failing_rank", "factor_operand",
            "build_info", "registry_stats", "POLICY_CODES", "TARGET", "TARGET_COMPENSATED",
+           "TARGET_APPLIED",
            "MAX_RANKS", "TIMEOUT_ENV"]

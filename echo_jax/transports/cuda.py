@@ -1,7 +1,8 @@
 """The CUDA "p2p" transport: the Echo all-reduce as CUDA custom calls (module `echo_jax._ffi_cuda`).
 
-The transport interface (`echo_jax.transports`): `unavailable_reason`, `limit_reason`, `allreduce`
-and the fused `allreduce_compensated`, one rank per GPU inside `jax.shard_map`. Under them:
+The transport interface (`echo_jax.transports`): `unavailable_reason`, `limit_reason`, `allreduce`,
+the fused `allreduce_compensated` and `allreduce_applied` (the apply step alone, for
+`EchoConfig.state_update="separate"`), one rank per GPU inside `jax.shard_map`. Under them:
 
 * `rank_allreduce`: one rank per GPU inside `jax.shard_map` (the "p2p" transport on GPUs). The
   group of GPUs of each rank is read from the concrete mesh, so call it under
@@ -106,12 +107,16 @@ def fused_rotation(config: EchoConfig) -> bool:
     return config.group_size <= MAX_ROTATED_GROUP
 
 
-def _attrs(config: EchoConfig, num_ranks: int, state: bool):
+def _attrs(config: EchoConfig, num_ranks: int, state: bool, applied: bool = False):
+    # applied: the applied call's attributes (ea, eb only: it runs the apply step alone).
     a = dict(bits=np.int64(config.bits), group_size=np.int64(config.group_size),
              policy=np.int64(POLICY_CODES[config.policy]), num_ranks=np.int64(num_ranks),
              timeout_ms=np.int64(timeout_ms()),
              rotate=np.int64(config.rotation == "hadamard"))
-    if state:
+    if state and applied:
+        k = comp.Coefficients.from_config(config)
+        a.update(ea=k.ea, eb=k.eb)
+    elif state:
         k = comp.Coefficients.from_config(config)
         a.update(ea=k.ea, eb=k.eb, b1=k.b1, c1=k.c1, b2=k.b2, c2=k.c2,
                  inv_p=np.float32(1.0 / num_ranks))
@@ -152,7 +157,10 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
     Same bits as `jax.vmap(echo_psum, axis_name=...)` with transport "xla". `absent_rank` (tests
     only) leaves one rank out, so the others must time out; the group is unusable afterwards.
     `factor`: None, or the rescaling's shared power of two (every rank's; see
-    `echo_jax.collective.rescale_factor`), applied inside the kernels.
+    `echo_jax.collective.rescale_factor`), applied inside the kernels. With a state and
+    `config.state_update="separate"` the applied call runs (the apply step inside, m1, m2 only
+    read) and the update after it, `compensator.update_beside` on the stream of
+    ECHO_JAX_UPDATE_STREAM, as `echo_psum` does.
     """
     register()
     num_ranks = x.shape[0]
@@ -165,6 +173,13 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
             **_attrs(config, num_ranks, False))
         return y.reshape(x.shape)
     comp.check_state(state, x, "virtual_allreduce", config)
+    if config.state_update == "separate":
+        y = jax.ffi.ffi_call("echo_allreduce_virtual_applied_cuda", y_type)(
+            flat, state.m1.reshape(flat.shape), state.m2.reshape(flat.shape),
+            factor_operand(factor), **_attrs(config, num_ranks, True, applied=True))
+        y = y.reshape(x.shape)
+        return y, comp.update_beside(x, y, num_ranks, state,
+                                     comp.Coefficients.from_config(config), comp.update_stream())
     m_type = jax.ShapeDtypeStruct(flat.shape, jnp.result_type(state.m1))
     y, m1, m2 = jax.ffi.ffi_call(
         "echo_allreduce_virtual_comp_cuda", (y_type, m_type, m_type),
@@ -191,16 +206,19 @@ def mesh_groups(axis, num_ranks: int) -> np.ndarray | None:
     return ordinals.astype(np.int64)
 
 
-def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None, factor=None):
+def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None, factor=None,
+                   applied=False):
     """One rank's Echo all-reduce on its GPU, inside shard_map (under `jax.set_mesh`); `factor`
-    as in `virtual_allreduce` (the same on every rank: it comes from a pmax)."""
+    as in `virtual_allreduce` (the same on every rank: it comes from a pmax). With a state:
+    (y, new state) from the compensated call, or y alone from the applied call (`applied`:
+    the apply step only, the state read and not updated)."""
     register()
     _check(config, num_ranks, "rank_allreduce")
     groups = mesh_groups(axis, num_ranks)
     if groups is None:
         raise ValueError("transport='p2p' on GPUs needs the concrete mesh: call inside "
                          "`with jax.set_mesh(mesh):` over local GPUs, or use transport='auto'")
-    attrs = _attrs(config, num_ranks, state is not None)
+    attrs = _attrs(config, num_ranks, state is not None, applied)
     attrs["groups"] = groups.reshape(-1)
     y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
     if state is None:
@@ -212,6 +230,9 @@ def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None, fact
     if jnp.size(state.m1) != jnp.size(x):
         raise ValueError(f"rank_allreduce: the state has {jnp.size(state.m1)} elements, x has "
                          f"{jnp.size(x)}; use echo_jax.init_state(x, config)")
+    if applied:
+        return jax.ffi.ffi_call("echo_allreduce_applied_cuda", y_type)(
+            x, state.m1, state.m2, factor_operand(factor, like=x), **attrs)
     m_type = jax.ShapeDtypeStruct(jnp.shape(state.m1), jnp.result_type(state.m1))
     y, m1, m2 = jax.ffi.ffi_call("echo_allreduce_comp_cuda", (y_type, m_type, m_type),
                                  input_output_aliases={1: 1, 2: 2})(
@@ -277,7 +298,17 @@ def allreduce_compensated(x_flat, m1_flat, m2_flat, axis, num_ranks: int, config
             _compat.to_varying(new.m2, varying))
 
 
+def allreduce_applied(x_flat, m1_flat, m2_flat, axis, num_ranks: int, config: EchoConfig,
+                      factor=None):
+    """The apply step alone fused into the call on GPUs (`EchoConfig.state_update="separate"`;
+    arguments and result as `echo_jax.transports.cpu.allreduce_applied`)."""
+    y = rank_allreduce(x_flat, axis, num_ranks, config, comp.CompensatorState(m1_flat, m2_flat),
+                       factor=factor, applied=True)
+    return base.typed_like_psum(y, axis, x_flat, m1_flat, m2_flat)
+
+
 __all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "allreduce_compensated",
+           "allreduce_applied",
            "fused_rotation", "MAX_ROTATED_GROUP", "FUSED_STATE_DTYPES", "available", "build_info",
            "register",
            "quantize", "dequantize", "virtual_allreduce",

@@ -104,8 +104,31 @@ def test_allreduce_all_rows_json_and_png(tmp_path, capsys):
         assert rows["p2p4-rescale"]["max_abs_err"] == rows["p2p4"]["max_abs_err"]
         assert rows["p2p4-comp-unfused"]["max_abs_err"] == rows["p2p4"]["max_abs_err"]
         assert rows["p2p4-comp-fused"]["bit_identical_to_unfused"] is True
+        assert rows["p2p4-comp-separate"]["bit_identical_to_fused"] is True
     assert result["gate"]["row"] in bench.GATE_ROWS
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_allreduce_next_matmul_columns(tmp_path, capsys):
+    """--next-matmul D: every row is also timed followed by the next layer's multiplication,
+    and what it adds to the multiplication alone is reported (the Echo paper's Table 2 method)."""
+    out = tmp_path / "mm.json"
+    rows = "p2p4,p2p4-comp-fused,p2p4-comp-separate"
+    rc = bench.main(["allreduce", "--sizes", "64KB", "--ranks", "4", "--rows", rows,
+                     "--next-matmul", "64", "--json", str(out), "--no-plot"] + QUICK)
+    assert rc == 0
+    assert "beside the next matmul (D=64)" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert any("next layer's multiplication" in n for n in result["notes"])
+    for r in result["rows"]:
+        assert r["next_matmul_dim"] == 64
+        assert _finite_positive(r["with_next_matmul_s"]) and _finite_positive(r["next_matmul_s"])
+        assert r["added_to_next_matmul_s"] == r["with_next_matmul_s"] - r["next_matmul_s"]
+    # A size whose values a rank are not a multiple of D is refused, naming the flag.
+    rc = bench.main(["allreduce", "--sizes", "64KB", "--ranks", "4", "--rows", "p2p4",
+                     "--next-matmul", "96", "--json", str(out), "--no-plot"] + QUICK)
+    assert rc == 2
+    assert "--next-matmul 96" in capsys.readouterr().err
 
 
 def test_compare_against_numpy():

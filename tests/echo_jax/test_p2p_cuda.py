@@ -178,6 +178,62 @@ def test_virtual_ranks_bf16_state_match_reference(cuda, nranks, xdtype, rotation
         assert np.any(np.asarray(got[3].m1) != np.asarray(st.m1)), what
 
 
+@pytest.mark.parametrize("nranks", [2, 4])
+@pytest.mark.parametrize("xdtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_virtual_ranks_applied_call_match_reference(cuda, nranks, xdtype, state_dtype, rotation):
+    """EchoConfig.state_update="separate": the applied kernels (the apply step inside, m1 and m2
+    only read) and the update after them (`compensator.update_beside`, on a second stream) give
+    y, m1, m2 bit for bit with the xla transport's; fast instances (aligned rows, g = 32 .. 256,
+    4 / 8 bits) and generic ones (odd rows, g = 96), two chained calls each; the state the call
+    read is left unchanged (it is an operand, not updated in place)."""
+    rng = np.random.default_rng(nranks + 10 * len(xdtype) + 100 * len(state_dtype))
+    cases = [(4, 128, 65536), (8, 32, 8192), (4, 256, 4096 + 256), (4, 64, 40001),
+             (8, 128, 1001)] + ([(4, 96, 5000)] if rotation == "none" else [])
+    for bits, g, n in cases:
+        cfg = ej.EchoConfig(bits=bits, group_size=g, rotation=rotation, state_dtype=state_dtype,
+                            state_update="separate")
+        x1, x2 = (jnp.asarray(rng.standard_normal((nranks, n)), jnp.float32).astype(xdtype)
+                  for _ in range(2))
+        st = ej.CompensatorState(
+            jnp.asarray(0.1 * rng.standard_normal((nranks, n)), state_dtype),
+            jnp.asarray(-0.05 * rng.standard_normal((nranks, n)), state_dtype))
+        kept = [np.asarray(m).copy() for m in st]
+        what = f"P={nranks} {xdtype} state {state_dtype} bits={bits} g={g} n={n} {rotation}"
+
+        def two(a, b, s):
+            y1, s1 = cuda.virtual_allreduce(a, cfg, s)
+            y2, s2 = cuda.virtual_allreduce(b, cfg, s1)
+            return y1, s1, y2, s2
+        got = jax.jit(two)(x1, x2, st)
+        r1 = reference_allreduce(x1, cfg, st)
+        r2 = reference_allreduce(x2, cfg, r1[1])
+        for (y, new), (ry, rnew), step in (((got[0], got[1]), r1, 1), ((got[2], got[3]), r2, 2)):
+            same_bits(y, ry, f"{what} call {step}: y")
+            same_bits(new.m1, rnew.m1, f"{what} call {step}: m1")
+            same_bits(new.m2, rnew.m2, f"{what} call {step}: m2")
+        same_bits(st.m1, kept[0], f"{what}: the input m1 was written")
+        same_bits(st.m2, kept[1], f"{what}: the input m2 was written")
+        assert np.any(np.asarray(got[3].m1) != kept[0]), what
+
+
+def test_virtual_applied_call_program_has_the_update_on_a_second_stream(cuda):
+    """The compiled program of a separate update: the applied custom call, no compensated one,
+    and the update as an asynchronous computation on stream 1 (XLA's stream annotation,
+    `--xla_gpu_experimental_stream_annotation`, on by default)."""
+    cfg = ej.EchoConfig(state_update="separate")
+    x = jnp.ones((4, 1 << 16), jnp.bfloat16)
+    st = ej.init_state(x)
+    text = jax.jit(lambda a, s: cuda.virtual_allreduce(a, cfg, s)).lower(x, st).compile().as_text()
+    assert 'custom_call_target="echo_allreduce_virtual_applied_cuda"' in text
+    assert "echo_allreduce_virtual_comp_cuda" not in text
+    # XLA wraps an annotated computation into call-start / call-done on that stream.
+    starts = [ln for ln in text.splitlines() if "call-start(" in ln]
+    assert any('_xla_stream_annotation="1"' in ln for ln in starts), \
+        f"no call-start annotated for stream 1 in the compiled program: {starts[:3]}"
+
+
 def test_virtual_ranks_refuse_a_state_of_another_dtype(cuda):
     x = jnp.ones((2, 1024), jnp.float32)
     with pytest.raises(ValueError, match=r"state\.m1 must be bfloat16"):
@@ -353,7 +409,8 @@ def test_missing_peer_times_out_with_a_clear_error(cuda, monkeypatch):
 # One rank per GPU: rank_allreduce through echo_psum inside jax.shard_map.
 # -------------------------------------------------------------------------------------------
 
-RANK_TARGETS = {False: "echo_allreduce_cuda", True: "echo_allreduce_comp_cuda"}
+RANK_TARGETS = {False: "echo_allreduce_cuda", True: "echo_allreduce_comp_cuda",
+                "applied": "echo_allreduce_applied_cuda"}
 RANK_SHAPES = [(1,), (127,), (3, 333), (4099,), (70001,), (2, 3, 5, 7)]
 BITS_POLICIES = [(b, p) for b in (4, 8) for p in POLICIES]
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
@@ -476,6 +533,32 @@ def test_rank_allreduce_matches_reference(cuda, num_ranks, dtype, comp):
         assert_same_in_every_group(got[0], 0, whats[i])
         for name, a, b in zip(("y", "m1", "m2"), got, want):
             same_bits(a, b, f"{whats[i]}: {name}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_rank_applied_call_matches_reference(cuda, num_ranks, dtype):
+    """EchoConfig.state_update="separate" on P GPUs: the applied call once a site (no fused
+    one) and the update after it; y, m1, m2 bit for bit with the "xla" transport's."""
+    mesh = gpu_mesh((num_ranks,), ("tp",))
+    rng = np.random.default_rng(7 * num_ranks + (dtype == "bf16"))
+    configs, xs, states = [], [], []
+    for ci, (bits, policy) in enumerate(BITS_POLICIES):
+        shape = RANK_SHAPES[(ci + num_ranks) % len(RANK_SHAPES)]
+        configs.append(ej.EchoConfig(bits=bits, policy=policy, transport="p2p",
+                                     state_update="separate"))
+        xs.append(rank_inputs(rng, (num_ranks,), shape, DTYPES[dtype]))
+        states.append(tuple(rank_inputs(rng, (num_ranks,), shape, np.float32, 0.05)
+                            for _ in range(2)))
+    outs, text = run_on_mesh(mesh, "tp", configs, xs, states)
+    assert_custom_calls(text, "applied", len(configs))
+    assert RANK_TARGETS[True] not in text
+    wants = reference_on_mesh(1, 0, configs, xs, states)
+    for i, want in enumerate(wants):
+        what = f"P={num_ranks} {configs[i].bits} bits {configs[i].policy} {dtype}"
+        assert_same_in_every_group(outs[i][0], 0, what)
+        for name, a, b in zip(("y", "m1", "m2"), outs[i], want):
+            same_bits(a, b, f"{what}: {name}")
 
 
 @pytest.mark.parametrize("comp", [False, True], ids=["plain", "compensated"])

@@ -10,6 +10,7 @@ import math
 import jax
 import pytest
 
+import echo_jax as ej
 from models import bench_e2e
 
 
@@ -41,6 +42,13 @@ def test_modes_name_bits_compensation_and_state_dtype():
     assert not bench_e2e._comm_for("echo4", 2, "auto").echo.compensated
     with pytest.raises(ValueError, match="bad mode 'echo4-bf16state'"):
         bench_e2e.parse_modes("echo4-bf16state")
+    comm = bench_e2e._comm_for("echo4-comp-separate", 2, "auto")
+    assert comm.echo.compensated and comm.echo.state_update == "separate"
+    assert bench_e2e._comm_for("echo4-comp-bf16state-separate", 2, "auto").echo == \
+        ej.EchoConfig(bits=4, state_dtype="bfloat16", state_update="separate")
+    assert bench_e2e._comm_for("echo4-comp", 2, "auto").echo.state_update == "in_call"
+    with pytest.raises(ValueError, match="bad mode 'echo4-separate'"):
+        bench_e2e.parse_modes("echo4-separate")
 
 
 def test_background_load_runs_at_its_duty_cycle():
