@@ -964,7 +964,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--ranks", type=positive_int, default=4)
     p = sub.add_parser("project", help="projected all-reduce time on a P-GPU NVLink machine",
                        description="Projected time of one all-reduce (psum, xla4, p2p4, p2p8, "
-                                   "comp-fused) on a P-GPU NVLink machine from a stated link "
+                                   "comp-fused, comp-separate) on a P-GPU NVLink machine from a "
+                                   "stated link "
                                    "model and the measured single-GPU times: a projection, not "
                                    "a measurement. Formulas: echo_jax/projection.py.")
     projection.add_arguments(p)

@@ -129,6 +129,12 @@ def test_project_default_model_by_hand():
     assert c["hbm_s"] - r["hbm_s"] == pytest.approx(N * 28 / bw)
     c2 = pj.project_one(link, "comp-fused", 256 * MiB, 4, "float32", eff, state_bytes=2.0)
     assert c2["hbm_s"] - r["hbm_s"] == pytest.approx(N * 16 / bw)
+    # comp-separate: only the entry reads (2 s) on the critical path; the update's 2 e + 4 s
+    # reported beside it.
+    sep = pj.project_one(link, "comp-separate", 256 * MiB, 4, "float32", eff)
+    assert sep["hbm_s"] - r["hbm_s"] == pytest.approx(N * 8 / bw)
+    assert sep["update_beside_s"] == pytest.approx(N * 24 / bw)
+    assert sep["overlapped_s"] == pytest.approx(c["entry_only_overlapped_s"])
     psum = pj.project_one(link, "psum", 256 * MiB, 4, "float32", eff)
     assert psum["overlapped_s"] == pytest.approx(1.5 * 256 * MiB / 80e9)
     x = pj.project_one(link, "xla4", 256 * MiB, 4, "float32", eff)
@@ -154,6 +160,9 @@ def test_project_shape_and_monotonicity():
         if row == "comp-fused":
             assert r["overlapped_s"] > rows[(preset, P, dtype, size, "p2p4")]["overlapped_s"]
             assert r["entry_only_overlapped_s"] < r["overlapped_s"]
+        if row == "comp-separate":
+            assert (rows[(preset, P, dtype, size, "p2p4")]["overlapped_s"] < r["overlapped_s"]
+                    < rows[(preset, P, dtype, size, "comp-fused")]["overlapped_s"])
     for preset in pj.PRESETS:
         for dtype in ("float32", "bfloat16"):
             # P = 8 vs P = 4: the ring's 2(P-1)/P grows from 1.5 to 1.75, and so does Echo's link
