@@ -875,8 +875,8 @@ void QuantizeSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8
 }
 
 // Dequantizes the codes of segment `seg` into y (unpadded part, stored in y's dtype) and, for the
-// compensated call (not the applied one), runs the state update of those elements (the update step, inside the call)
-// with the fp32 sum, before its rounding to a 16-bit y. With cfg.rotate every group is decoded
+// compensated call (not the applied one), runs the state update of those elements (the update
+// step, inside the call) with the fp32 sum, before its rounding to a 16-bit y. With cfg.rotate every group is decoded
 // whole (the padding positions of a last partial group included) and rotated back before it is
 // divided by the factor and its first values are stored. `buf` holds g floats.
 void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t* slot,

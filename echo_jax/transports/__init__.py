@@ -153,6 +153,7 @@ def has_fused_rotation(transport, config: EchoConfig) -> bool:
 
 
 __all__ = ["select", "resolve", "custom_call", "unavailable_reason", "limit_reason",
-           "has_fused_compensation", "has_fused_apply", "fused_state_dtypes", "has_fused_rotation", "FORCE_XLA_ENV",
+           "has_fused_compensation", "has_fused_apply", "fused_state_dtypes",
+           "has_fused_rotation", "FORCE_XLA_ENV",
            "base", "xla", "cpu",
            "cuda"]

@@ -363,8 +363,8 @@ def allreduce_applied(x_flat32, m1_flat, m2_flat, axis, num_ranks: int, config: 
 
     For `EchoConfig.state_update="separate"`: the call forms x' = x + eta (a m1 + (1 - a) m2)
     where it loads x and returns QAR(x') only; m1 and m2 are read, not written, and the update
-    (`compensator.update_state` on x' and y) runs after the call as its own op. The bits of y are
-    those of `allreduce_compensated`'s y.
+    (`compensator.update_beside` on x, y and the state) runs after the call as its own op. The
+    bits of y are those of `allreduce_compensated`'s y.
 
     Args:
       x_flat32, m1_flat, m2_flat, axis, num_ranks, config, factor: as `allreduce_compensated`.
