@@ -81,6 +81,22 @@ def test_inference_writes_every_row(text_file, tmp_path):
     assert by["early-8bit"]["early_8bit"] and by["early-8bit"]["bits"] == 4
 
 
+def test_inference_named_extra_rows(text_file, tmp_path):
+    """The rows that run only when named: a bfloat16 state and the update as its own op
+    (recorded as state_dtype / state_update); in float32 compute the separate update gives the
+    in-call update's perplexity exactly."""
+    argv = common(text_file, tmp_path, "--name", "extra", "--configs", "4bit-comp",
+                  "4bit-comp-bf16state", "4bit-comp-separate")
+    assert X.main(["inference", *argv]) == 0
+    r = read(tmp_path / "accuracy_inference_extra.json")
+    by = {row["config"]: row for row in r["rows"]}
+    assert list(by) == ["16bit", "4bit-comp", "4bit-comp-bf16state", "4bit-comp-separate"]
+    assert by["4bit-comp-bf16state"]["state_dtype"] == "bfloat16"
+    assert by["4bit-comp-separate"]["state_update"] == "separate"
+    assert by["4bit-comp"]["state_update"] == "in_call"
+    assert by["4bit-comp-separate"]["perplexity"] == by["4bit-comp"]["perplexity"]
+
+
 def test_beyond_rows_pareto_and_calibrated_policy(text_file, tmp_path):
     argv = common(text_file, tmp_path, "--name", "smoke", "--configs", "4g64", "4g128-sym",
                   "4g64-h", "calib-4.5", "calib-4.5-h-proxy", "--calib-text", str(text_file),
