@@ -1178,11 +1178,13 @@ std::optional<FailureAddress> AddressOf(int32_t device_ordinal, ffi::RunId run_i
 
 // Runs `job` (or reports its validation error) and returns the future XLA waits on. The operand
 // and result buffers stay valid until the future completes. A validation error is also reported
-// to the rank's group when `address` says which group that is.
-ffi::Future Launch(ffi::ErrorOr<Job> job, const std::optional<FailureAddress>& address) {
+// to the rank's group where the call's coords and attributes say which group that is.
+ffi::Future Launch(ffi::ErrorOr<Job> job, int32_t device_ordinal, ffi::RunId run_id,
+                   const S32Buffer_Type& coords, const Dictionary_Type& attrs) {
   ffi::Promise promise;
   ffi::Future future(promise);
   if (job.has_error()) {
+    const std::optional<FailureAddress> address = AddressOf(device_ordinal, run_id, coords, attrs);
     if (address.has_value()) {
       GetRegistry().ReportFailure(address->c, address->site, address->num_ranks,
                                   job.error().message());
@@ -1311,9 +1313,7 @@ ffi::Future EchoAllReduceCpuImpl(int32_t device_ordinal, ffi::RunId run_id, Buff
                                  S32Buffer_Type coords, F32Buffer_Type factor, Result_Type y,
                                  Dictionary_Type attrs) {
   ffi::ErrorOr<Job> job = PrepareAllReduce(device_ordinal, run_id, x, coords, factor, y, attrs);
-  std::optional<FailureAddress> address;
-  if (job.has_error()) address = AddressOf(device_ordinal, run_id, coords, attrs);
-  return Launch(std::move(job), address);
+  return Launch(std::move(job), device_ordinal, run_id, coords, attrs);
 }
 
 ffi::Future EchoAllReduceCompCpuImpl(int32_t device_ordinal, ffi::RunId run_id,
@@ -1324,9 +1324,7 @@ ffi::Future EchoAllReduceCompCpuImpl(int32_t device_ordinal, ffi::RunId run_id,
                                             Dictionary_Type attrs) {
   ffi::ErrorOr<Job> job = PrepareAllReduceCompensated(device_ordinal, run_id, x, m1, m2, coords,
                                                       factor, y, &m1_out, &m2_out, attrs);
-  std::optional<FailureAddress> address;
-  if (job.has_error()) address = AddressOf(device_ordinal, run_id, coords, attrs);
-  return Launch(std::move(job), address);
+  return Launch(std::move(job), device_ordinal, run_id, coords, attrs);
 }
 
 ffi::Future EchoAllReduceAppliedCpuImpl(int32_t device_ordinal, ffi::RunId run_id,
@@ -1335,9 +1333,7 @@ ffi::Future EchoAllReduceAppliedCpuImpl(int32_t device_ordinal, ffi::RunId run_i
                                         Result_Type y, Dictionary_Type attrs) {
   ffi::ErrorOr<Job> job = PrepareAllReduceCompensated(device_ordinal, run_id, x, m1, m2, coords,
                                                       factor, y, nullptr, nullptr, attrs);
-  std::optional<FailureAddress> address;
-  if (job.has_error()) address = AddressOf(device_ordinal, run_id, coords, attrs);
-  return Launch(std::move(job), address);
+  return Launch(std::move(job), device_ordinal, run_id, coords, attrs);
 }
 
 }  // namespace
