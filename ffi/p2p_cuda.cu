@@ -102,6 +102,12 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_MIN_BLOCKS_APPLIED_16
 #define ECHO_P2P_MIN_BLOCKS_APPLIED_16 1
 #endif
+// Bit 0: the uncompensated push stages the next group set's x in shared memory, bit 1: the
+// reduce its own x (FastStages::kPrefetchPush / kPrefetchReduce; built, not yet run on a GPU).
+// 0: as measured.
+#ifndef ECHO_P2P_PREFETCH
+#define ECHO_P2P_PREFETCH 0
+#endif
 
 // Error codes written to the host-mapped error word (1 + stage * 256 + peer).
 enum Stage : int { kStagePush = 0, kStageGather = 1 };
@@ -701,10 +707,14 @@ struct FastStages {
   }
 
   // The raw contribution (x as fp32) of the piece at element e; 0 past n (the padding).
-  __device__ static void load_raw(const KernelArgs& a, int64_t e, float* v) {
+  // kStaged: a whole piece is read from `staged` (shared memory, copied there by prefetch_x)
+  // instead of x; a partial one from x, as prefetch_x leaves it out.
+  template <bool kStaged = false>
+  __device__ static void load_raw(const KernelArgs& a, int64_t e, float* v,
+                                  const uint4* staged = nullptr) {
     const T* x = static_cast<const T*>(a.x);
     if (e + kVec <= a.n) {
-      fast::unpack_values<T, kVec>(*reinterpret_cast<const uint4*>(x + e), v);
+      fast::unpack_values<T, kVec>(kStaged ? *staged : *reinterpret_cast<const uint4*>(x + e), v);
     } else {
 #pragma unroll
       for (int t = 0; t < kVec; ++t) v[t] = e + t < a.n ? to_f32<T>(x[e + t]) : 0.0f;
@@ -713,8 +723,10 @@ struct FastStages {
 
   // The contribution, after the compensator's apply step (Eq. 10) when COMP; the padding beyond
   // n stays 0 (not compensated, as in the reference).
-  __device__ static void load_contrib(const KernelArgs& a, int64_t e, float* v) {
-    load_raw(a, e, v);
+  template <bool kStaged = false>
+  __device__ static void load_contrib(const KernelArgs& a, int64_t e, float* v,
+                                      const uint4* staged = nullptr) {
+    load_raw<kStaged>(a, e, v, staged);
     if constexpr (COMP) {
       float m1[kVec], m2[kVec];
       load_state(a, a.m1, e, m1);
@@ -809,6 +821,46 @@ struct FastStages {
     return local * kCodeBytes + static_cast<int64_t>(k * kLanes + j) * kPieceBytes;
   }
 
+  // ECHO_P2P_PREFETCH (a build switch, 0 by default; built, not yet run on a GPU): bit 0, the
+  // uncompensated push copies the next group set's x into shared memory (cp.async, two buffers
+  // a warp, 16 KiB a block) while it quantizes the current one; bit 1, the reduce its own x
+  // likewise. Why: the stages wait on memory with one group set a warp in flight (one H200, 4
+  // virtual ranks, 256 MB a rank, before the launch bounds: push 0.38 ms fp32 / 0.66 ms bf16,
+  // against 0.18 / 0.13 ms to issue its instructions, counted in the SASS, and 0.22 / 0.12 ms
+  // to move its bytes at the copy's rate), and issuing the next set's loads into registers
+  // raised them and was slower (below); copies into shared memory keep loads in flight without
+  // registers. Each lane reads back only the words it copied, so its own cp.async.wait_group
+  // orders them (no barrier).
+  static constexpr bool kPrefetchPush = (ECHO_P2P_PREFETCH & 1) && !COMP;
+  static constexpr bool kPrefetchReduce = (ECHO_P2P_PREFETCH & 2) && !COMP;
+  static constexpr bool kPrefetch = kPrefetchPush || kPrefetchReduce;  // the buffers exist
+  __device__ static uint4* prefetch_buffer(int warp, int stage) {
+    __shared__ uint4 staged[kPrefetch ? kThreads / kWarp : 1][2][kLoads * kWarp];
+    return staged[kPrefetch ? warp : 0][stage];
+  }
+  // Lane's word of piece k in buffer `stage` (nullptr without kPrefetch: no shared array then).
+  __device__ static const uint4* staged_piece(int warp, int stage, int k, int lane) {
+    if constexpr (kPrefetch) return prefetch_buffer(warp, stage) + k * kWarp + lane;
+    return nullptr;
+  }
+  // Starts the copies of the lane's whole pieces of group set q0 of segment seg's tile into buf
+  // (word k * kWarp + lane: consecutive lanes, consecutive 16-byte words) and closes the group;
+  // partial pieces (past n) are left to load_raw.
+  __device__ static void prefetch_x(const KernelArgs& a, int seg, int64_t first, int count,
+                                    int q0, int lane, uint4* buf) {
+    const int q = q0 + lane / kLanes;
+    if (q < count) {
+      const T* x = static_cast<const T*>(a.x);
+      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        const int64_t e = e0 + L::index(lane % kLanes, k, 0);
+        if (e + kVec <= a.n) cp_async_16(&buf[k * kWarp + lane], x + e);
+      }
+    }
+    cp_async_commit();
+  }
+
   // Measured on one H200 (4 virtual ranks, 256 MB per rank): issuing the loads of two group
   // sets per warp before using either, and the P - 1 peers' code words of a group before the
   // sum, raised the registers (fp32 48 -> 73, bf16 64 -> 90 a thread), so fewer blocks fit an SM,
@@ -828,7 +880,14 @@ struct FastStages {
     uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
     uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
     const float f = scale_of(a);
-    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
+    if constexpr (kPrefetchPush)
+      prefetch_x(a, seg, first, count, warp * kGpw, lane, prefetch_buffer(warp, 0));
+    // s: the buffer of this group set (prefetch), toggled by every iteration, `continue` too.
+    for (int q0 = warp * kGpw, s = 0; q0 < count; q0 += warps * kGpw, s ^= 1) {
+      if constexpr (kPrefetchPush) {
+        prefetch_x(a, seg, first, count, q0 + warps * kGpw, lane, prefetch_buffer(warp, s ^ 1));
+        cp_async_wait<1>();  // this set's copies (the group before the newest) have landed
+      }
       const int q = q0 + lane / kLanes;
       const bool valid = q < count;
       const int64_t e0 = (seg * a.seg_groups + first + q) * G;
@@ -837,7 +896,7 @@ struct FastStages {
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         if (valid) {
-          load_raw(a, e0 + L::index(j, k, 0), v[k]);
+          load_raw<kPrefetchPush>(a, e0 + L::index(j, k, 0), v[k], staged_piece(warp, s, k, lane));
         } else {
 #pragma unroll
           for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
@@ -876,7 +935,13 @@ struct FastStages {
     uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
     // q0 is the same for the 32 lanes of a warp, so every shuffle runs with the whole warp;
     // the lanes of a group past the tile's end compute on zeros and store nothing.
-    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
+    if constexpr (kPrefetchPush)
+      prefetch_x(a, seg, first, count, warp * kGpw, lane, prefetch_buffer(warp, 0));
+    for (int q0 = warp * kGpw, s = 0; q0 < count; q0 += warps * kGpw, s ^= 1) {
+      if constexpr (kPrefetchPush) {  // as in push_plain
+        prefetch_x(a, seg, first, count, q0 + warps * kGpw, lane, prefetch_buffer(warp, s ^ 1));
+        cp_async_wait<1>();
+      }
       const int q = q0 + lane / kLanes;
       const bool valid = q < count;
       const int64_t e0 = (seg * a.seg_groups + first + q) * G;
@@ -884,7 +949,8 @@ struct FastStages {
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         if (valid) {
-          load_contrib(a, e0 + L::index(j, k, 0), v[k]);
+          load_contrib<kPrefetchPush>(a, e0 + L::index(j, k, 0), v[k],
+                                      staged_piece(warp, s, k, lane));
         } else {
 #pragma unroll
           for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
@@ -948,7 +1014,13 @@ struct FastStages {
                                 int warp, int warps, int lane) {
     const int j = lane % kLanes;
     const uint32_t sm = sign_mask(j);
-    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
+    if constexpr (kPrefetchReduce)  // the own x, staged as in push_plain
+      prefetch_x(a, a.me, first, count, warp * kGpw, lane, prefetch_buffer(warp, 0));
+    for (int q0 = warp * kGpw, s = 0; q0 < count; q0 += warps * kGpw, s ^= 1) {
+      if constexpr (kPrefetchReduce) {
+        prefetch_x(a, a.me, first, count, q0 + warps * kGpw, lane, prefetch_buffer(warp, s ^ 1));
+        cp_async_wait<1>();
+      }
       const int q = q0 + lane / kLanes;
       const bool valid = q < count;
       const int64_t local = local0 + q;
@@ -964,7 +1036,9 @@ struct FastStages {
             for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
         } else if (r == a.me) {
 #pragma unroll
-          for (int k = 0; k < kLoads; ++k) load_contrib(a, e0 + L::index(j, k, 0), v[k]);
+          for (int k = 0; k < kLoads; ++k)
+            load_contrib<kPrefetchReduce>(a, e0 + L::index(j, k, 0), v[k],
+                                          staged_piece(warp, s, k, lane));
         } else {
           const uint8_t* slot = a.ws[a.me] + push_slot(r, a.slot_bytes);
           const DequantParams d = fast::decoder_of<BITS>(
