@@ -102,6 +102,17 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_MIN_BLOCKS_APPLIED_16
 #define ECHO_P2P_MIN_BLOCKS_APPLIED_16 1
 #endif
+// 1: the 16-bit uncompensated unrotated push takes its group range before scaling, over the
+// unpacked fp32 values, as the fp32 one (push_plain; built, not yet run: ptxas 48 registers
+// under the bound, 48-64 bytes of spills against 28-52). 0: as measured.
+#ifndef ECHO_P2P_PLAIN_PUSH_16
+#define ECHO_P2P_PLAIN_PUSH_16 0
+#endif
+// 1: the uncompensated rotated instances rotate with half exchanges (FastStages::kExchange,
+// quant_fast.cuh; built, checked on the host, not yet run on a GPU). 0: as measured.
+#ifndef ECHO_P2P_ROT_EXCHANGE
+#define ECHO_P2P_ROT_EXCHANGE 0
+#endif
 // Bit 0: the uncompensated push stages the next group set's x in shared memory, bit 1: the
 // reduce its own x (FastStages::kPrefetchPush / kPrefetchReduce; built, not yet run on a GPU).
 // 0: as measured.
@@ -632,6 +643,9 @@ struct FastStages {
   // instances (121-127 -> 80 registers, 2 -> 3 blocks an SM): comp-fused-rot 5.535 -> 4.958 ms
   // (bf16 x, 256 MB; 1.434 -> 1.305 at 64 MB). The uncompensated 16-bit instances keep two
   // (one load: p2p4 1.533 -> 1.620 ms; rotated, 80 -> 48 registers but p2p4-rot 2.168 -> 2.578).
+  // Four in the uncompensated rotated instances would take one shuffle stage a rotation away
+  // (8 lanes a 128-group in fp32), but ptxas gave fp32 104-110 registers (64 with two) and the
+  // 16-bit ones 650-750 bytes of spills under their 4-blocks bound (sm_90a; not run).
   static constexpr int kLoadsPerLane = sizeof(T) == 2 && COMP ? 1 : 2;
   using L = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, kLoadsPerLane>()>;
   static constexpr int kVec = L::kVec, kLanes = L::kLanes, kLoads = L::kLoads;
@@ -646,14 +660,55 @@ struct FastStages {
       : ROT ? (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_ROT_32 : ECHO_P2P_MIN_BLOCKS_ROT_16)
             : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);
 
+  // ECHO_P2P_ROT_EXCHANGE (the uncompensated rotated instances; built, not yet run on a GPU):
+  // the rotation with half exchanges (quant_fast.cuh: one shuffle for two values a cross-lane
+  // stage instead of one a value; the same bits, checked on the host by
+  // ffi/tools/hadamard_exchange_check.cc). Its groups are loaded, stored as codes and stored as
+  // outputs at permuted lanes and pieces: in_piece, code_lane / code_piece, out_lane (the
+  // identity without it).
+  static constexpr bool kExchange = ROT && !COMP && ECHO_P2P_ROT_EXCHANGE;
+  using XP = fast::ExchangePlans<L>;  // instantiated only where kExchange
+  __device__ __forceinline__ static int in_piece(int j, int k) {
+    if constexpr (kExchange) return XP::input_piece(j, k);
+    return k;
+  }
+  __device__ __forceinline__ static int code_lane(int j) {
+    if constexpr (kExchange) return XP::rotated_lane(j);
+    return j;
+  }
+  __device__ __forceinline__ static int code_piece(int j, int k) {
+    if constexpr (kExchange) return XP::rotated_piece(j, k);
+    return k;
+  }
+  __device__ __forceinline__ static int out_lane(int j) {
+    if constexpr (kExchange) return XP::output_lane(j);
+    return j;
+  }
+  __device__ __forceinline__ static void rotate_group(float (&v)[kLoads][kVec], int j,
+                                                     uint32_t sm, float f) {
+    if constexpr (kExchange) fast::hadamard_exchange_rotate<L>(v, j, sm, f);
+    else fast::hadamard_rotate<L, !COMP>(v, j, sm, f);
+  }
+  __device__ __forceinline__ static void unrotate_group(float (&v)[kLoads][kVec], int j,
+                                                       uint32_t sm_out, float f) {
+    if constexpr (kExchange) fast::hadamard_exchange_unrotate<L>(v, j, sm_out, f);
+    else fast::hadamard_unrotate<L, !COMP>(v, j, sm_out, f);
+  }
+
   // Lane j's sign mask (fast::hadamard_sign_mask), computed once a block: the hash costs
-  // ~25 instructions a value, too much to repeat for every tile.
+  // ~25 instructions a value, too much to repeat for every tile. With kExchange, two: the
+  // forward rotation's input layout and the inverse's output layout differ.
   __device__ static uint32_t* sign_masks() {
-    __shared__ uint32_t masks[kLanes];
+    __shared__ uint32_t masks[kExchange ? 2 * kLanes : kLanes];
     return masks;
   }
   __device__ static void setup() {
-    if constexpr (ROT) {
+    if constexpr (kExchange) {
+      if (threadIdx.x < kLanes) {
+        sign_masks()[threadIdx.x] = fast::exchange_sign_mask<L>(threadIdx.x, true);
+        sign_masks()[kLanes + threadIdx.x] = fast::exchange_sign_mask<L>(threadIdx.x, false);
+      }
+    } else if constexpr (ROT) {
       if (threadIdx.x < kLanes)
         sign_masks()[threadIdx.x] = fast::hadamard_sign_mask<L>(threadIdx.x);
     }
@@ -661,6 +716,10 @@ struct FastStages {
   __device__ static uint32_t sign_mask(int j) {
     if constexpr (ROT) return sign_masks()[j];
     return 0;
+  }
+  __device__ __forceinline__ static uint32_t sign_mask_out(int j) {  // the inverse rotation's
+    if constexpr (kExchange) return sign_masks()[kLanes + j];
+    return sign_mask(j);
   }
 
   static constexpr bool kStateBf16 = std::is_same_v<S, __nv_bfloat16>;
@@ -873,7 +932,8 @@ struct FastStages {
   // are the scaled lo / hi bit for bit (-0 < +0 included). Measured on one H200 (4 virtual
   // ranks, p2p4 fp32): 0.264 -> 0.252 ms at 64 MB, 0.910 -> 0.890 ms at 256 MB. The 16-bit
   // instances keep the keys: the same change with their min.NaN.bf16x2 words spilled 300-350
-  // bytes a thread under their 5-blocks bound and made bf16 p2p4 slower (1.289 -> 1.441 ms).
+  // bytes a thread under their 5-blocks bound and made bf16 p2p4 slower (1.289 -> 1.441 ms);
+  // ECHO_P2P_PLAIN_PUSH_16 gives them this push over the unpacked fp32 values (not measured).
   __device__ static void push_plain(const KernelArgs& a, int seg, int64_t first, int count,
                                     int64_t local0, int warp, int warps, int lane) {
     const int j = lane % kLanes;
@@ -925,7 +985,7 @@ struct FastStages {
   // push: quantize the tile's groups of segment seg into owner seg's push slot for this rank.
   __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
-    if constexpr (!COMP && !ROT && sizeof(T) == 4) {
+    if constexpr (!COMP && !ROT && (sizeof(T) == 4 || ECHO_P2P_PLAIN_PUSH_16)) {
       push_plain(a, seg, first, count, local0, warp, warps, lane);
       return;
     }
@@ -949,14 +1009,14 @@ struct FastStages {
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         if (valid) {
-          load_contrib<kPrefetchPush>(a, e0 + L::index(j, k, 0), v[k],
-                                      staged_piece(warp, s, k, lane));
+          load_contrib<kPrefetchPush>(a, e0 + L::index(j, in_piece(j, k), 0), v[k],
+                                      staged_piece(warp, s, in_piece(j, k), lane));
         } else {
 #pragma unroll
           for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
         }
       }
-      if constexpr (ROT) fast::hadamard_rotate<L, !COMP>(v, j, sm, a.rot_scale);
+      if constexpr (ROT) rotate_group(v, j, sm, a.rot_scale);
       uint32_t wire;
       const fast::Encoder enc = group_encoder(a, v, &wire);
       if (!valid) continue;
@@ -966,7 +1026,8 @@ struct FastStages {
         uint32_t codes[kVec];
 #pragma unroll
         for (int t = 0; t < kVec; ++t) codes[t] = fast::encode<BITS>(v[k][t], enc);
-        fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, j, k), codes, enc.mask);
+        fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, code_lane(j), code_piece(j, k)),
+                                      codes, enc.mask);
       }
     }
   }
@@ -976,7 +1037,8 @@ struct FastStages {
   __device__ static void reduce_rotated_output(const KernelArgs& a,
                                                const float (&acc)[kLoads][kVec],
                                                const fast::Encoder& enc, uint32_t wire, bool valid,
-                                               int64_t local, int64_t e0, int j, uint32_t sm) {
+                                               int64_t local, int64_t e0, int j,
+                                               uint32_t sm_out) {
     const int64_t gather = gather_slot(a.me, a.P, a.slot_bytes);
     if (valid && j == 0) {
       for (int r = 0; r < a.P; ++r)
@@ -995,17 +1057,18 @@ struct FastStages {
       }
       if (valid) {
         for (int r = 0; r < a.P; ++r)
-          fast::store_piece<kVec, BITS>(a.ws[r] + gather + piece_byte(local, j, k), codes,
-                                        0xFFFFFFFFu);
+          fast::store_piece<kVec, BITS>(
+              a.ws[r] + gather + piece_byte(local, code_lane(j), code_piece(j, k)), codes,
+              0xFFFFFFFFu);
       }
     }
-    fast::hadamard_unrotate<L, !COMP>(y, j, sm, a.rot_scale);
+    unrotate_group(y, j, sm_out, a.rot_scale);
     if (!valid) return;
 #pragma unroll
     for (int k = 0; k < kLoads; ++k) {
       UpdateIn in;
-      load_update(a, e0 + L::index(j, k, 0), in);
-      store_output(a, e0 + L::index(j, k, 0), y[k], in);
+      load_update(a, e0 + L::index(out_lane(j), k, 0), in);
+      store_output(a, e0 + L::index(out_lane(j), k, 0), y[k], in);
     }
   }
 
@@ -1037,8 +1100,8 @@ struct FastStages {
         } else if (r == a.me) {
 #pragma unroll
           for (int k = 0; k < kLoads; ++k)
-            load_contrib<kPrefetchReduce>(a, e0 + L::index(j, k, 0), v[k],
-                                          staged_piece(warp, s, k, lane));
+            load_contrib<kPrefetchReduce>(a, e0 + L::index(j, in_piece(j, k), 0), v[k],
+                                          staged_piece(warp, s, in_piece(j, k), lane));
         } else {
           const uint8_t* slot = a.ws[a.me] + push_slot(r, a.slot_bytes);
           const DequantParams d = fast::decoder_of<BITS>(
@@ -1049,14 +1112,16 @@ struct FastStages {
           for (int k = 0; k < kLoads; ++k) {
             uint32_t codes[kVec];
             fast::unpack_piece_codes<kVec, BITS>(
-                fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k)), codes);
+                fast::load_piece_word<kVec, BITS>(
+                    slot + piece_byte(local, code_lane(j), code_piece(j, k))),
+                codes);
 #pragma unroll
             for (int t = 0; t < kVec; ++t) v[k][t] = fast::decode_fast(codes[t], d);
           }
         }
         // The own contribution in the rotated basis, like the peers' codes (r is warp-uniform).
         if constexpr (ROT) {
-          if (r == a.me) fast::hadamard_rotate<L, !COMP>(v, j, sm, a.rot_scale);
+          if (r == a.me) rotate_group(v, j, sm, a.rot_scale);
         }
 #pragma unroll
         for (int k = 0; k < kLoads; ++k)
@@ -1066,7 +1131,8 @@ struct FastStages {
       uint32_t wire;
       const fast::Encoder enc = group_encoder(a, acc, &wire);
       if constexpr (ROT) {
-        reduce_rotated_output(a, acc, enc, wire, valid, local, e0, j, sm);
+        reduce_rotated_output(a, acc, enc, wire, valid, local, e0, j,
+                              kExchange ? sign_mask_out(j) : sm);
       } else {
         // Written out in place: the same code as a helper like reduce_rotated_output (the
         // gather offset hoisted) took the fp32 kernel from 48 to 61 registers (ptxas, sm_90a,
@@ -1107,7 +1173,7 @@ struct FastStages {
                                       int64_t local0, int warp, int warps, int lane,
                                       const uint8_t* slot, const uint16_t* prm) {
     const int j = lane % kLanes;
-    const uint32_t sm = sign_mask(j);
+    const uint32_t sm = kExchange ? sign_mask_out(j) : sign_mask(j);  // the inverse's
     for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
       const int q = q0 + lane / kLanes;
       const bool valid = q < count;
@@ -1119,7 +1185,8 @@ struct FastStages {
       uint2 words[kLoads];
 #pragma unroll
       for (int k = 0; k < kLoads; ++k)
-        words[k] = valid ? fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k))
+        words[k] = valid ? fast::load_piece_word<kVec, BITS>(
+                               slot + piece_byte(local, code_lane(j), code_piece(j, k)))
                          : make_uint2(0, 0);
       float y[kLoads][kVec];
 #pragma unroll
@@ -1129,13 +1196,13 @@ struct FastStages {
 #pragma unroll
         for (int t = 0; t < kVec; ++t) y[k][t] = fast::decode_fast(codes[t], d);
       }
-      fast::hadamard_unrotate<L, !COMP>(y, j, sm, a.rot_scale);
+      unrotate_group(y, j, sm, a.rot_scale);
       if (!valid) continue;
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         UpdateIn in;
-        load_update(a, e0 + L::index(j, k, 0), in);
-        store_output(a, e0 + L::index(j, k, 0), y[k], in);
+        load_update(a, e0 + L::index(out_lane(j), k, 0), in);
+        store_output(a, e0 + L::index(out_lane(j), k, 0), y[k], in);
       }
     }
   }

@@ -315,15 +315,9 @@ __device__ __forceinline__ uint32_t hadamard_sign_mask(int j) {
   return m;
 }
 
-// kFmaAcrossLanes: the low lane of a pair keeps v + other, the high one other - v; both are one
-// fma(+-1, v, other) (+-v is exact, so its one rounding is the sum's or the difference's, -0
-// included) instead of a sum, a difference and a select. Measured on one H200 (4 virtual ranks):
-// p2p4-rot 1.433 -> 1.240 ms (fp32, 256 MB), 2.130 -> 1.930 ms (bf16); but the +-1 of each
-// stage stays in a register, and the compensated rotated instances went from 64 to 80 (fp32)
-// and 80 to 96 (16-bit, fp32 state) registers and got slower (bf16 comp-fused-rot 4.922 ->
-// 5.735 ms), so they keep the select (false).
-template <class L, bool kFmaAcrossLanes>
-__device__ __forceinline__ void hadamard_stages(float (&v)[L::kLoads][L::kVec], int j) {
+// The butterflies within a piece (stages h < kVec), every piece of the lane.
+template <class L>
+__device__ __forceinline__ void piece_stages(float (&v)[L::kLoads][L::kVec]) {
 #pragma unroll
   for (int h = 1; h < L::kVec; h *= 2)
 #pragma unroll
@@ -335,6 +329,72 @@ __device__ __forceinline__ void hadamard_stages(float (&v)[L::kLoads][L::kVec], 
           v[k][t] = add_rn(a, b);
           v[k][t + h] = sub_rn(a, b);
         }
+}
+
+// The butterfly between pieces k and k + h of the lane (h a power of two < kLoads).
+template <class L, int h>
+__device__ __forceinline__ void pieces_stage(float (&v)[L::kLoads][L::kVec]) {
+#pragma unroll
+  for (int k = 0; k < L::kLoads; ++k)
+    if (!(k & h)) {
+#pragma unroll
+      for (int t = 0; t < L::kVec; ++t) {
+        const float a = v[k][t], b = v[k + h][t];
+        v[k][t] = add_rn(a, b);
+        v[k + h][t] = sub_rn(a, b);
+      }
+    }
+}
+
+// v <- v * s: the sign bit flipped where bit k * kVec + t of sign_mask is set (exact).
+template <class L>
+__device__ __forceinline__ void flip_signs(float (&v)[L::kLoads][L::kVec], uint32_t sign_mask) {
+#pragma unroll
+  for (int k = 0; k < L::kLoads; ++k)
+#pragma unroll
+    for (int t = 0; t < L::kVec; ++t)
+      v[k][t] = __uint_as_float(__float_as_uint(v[k][t]) ^
+                                (((sign_mask >> (k * L::kVec + t)) & 1u) << 31));
+}
+
+// v <- v * f, or v * (s f) with the signs of sign_mask: one rounded product a value.
+template <class L>
+__device__ __forceinline__ void scale_values(float (&v)[L::kLoads][L::kVec], float f) {
+#pragma unroll
+  for (int k = 0; k < L::kLoads; ++k)
+#pragma unroll
+    for (int t = 0; t < L::kVec; ++t) v[k][t] = mul_rn(v[k][t], f);
+}
+template <class L>
+__device__ __forceinline__ void scale_signed(float (&v)[L::kLoads][L::kVec], uint32_t sign_mask,
+                                             float f) {
+  const float neg_f = -f;
+#pragma unroll
+  for (int k = 0; k < L::kLoads; ++k)
+#pragma unroll
+    for (int t = 0; t < L::kVec; ++t)
+      v[k][t] = mul_rn(v[k][t], ((sign_mask >> (k * L::kVec + t)) & 1u) ? neg_f : f);
+}
+
+// Stages h = 2^S .. of the pieces (S from 0 while 2^S < kLoads), in order.
+template <class L, int S = 0>
+__device__ __forceinline__ void pieces_stages(float (&v)[L::kLoads][L::kVec]) {
+  if constexpr ((1 << S) < L::kLoads) {
+    pieces_stage<L, (1 << S)>(v);
+    pieces_stages<L, S + 1>(v);
+  }
+}
+
+// kFmaAcrossLanes: the low lane of a pair keeps v + other, the high one other - v; both are one
+// fma(+-1, v, other) (+-v is exact, so its one rounding is the sum's or the difference's, -0
+// included) instead of a sum, a difference and a select. Measured on one H200 (4 virtual ranks):
+// p2p4-rot 1.433 -> 1.240 ms (fp32, 256 MB), 2.130 -> 1.930 ms (bf16); but the +-1 of each
+// stage stays in a register, and the compensated rotated instances went from 64 to 80 (fp32)
+// and 80 to 96 (16-bit, fp32 state) registers and got slower (bf16 comp-fused-rot 4.922 ->
+// 5.735 ms), so they keep the select (false).
+template <class L, bool kFmaAcrossLanes>
+__device__ __forceinline__ void hadamard_stages(float (&v)[L::kLoads][L::kVec], int j) {
+  piece_stages<L>(v);
 #pragma unroll
   for (int o = 1; o < L::kLanes; o *= 2) {
     const float sign = (j & o) ? -1.0f : 1.0f;
@@ -349,35 +409,16 @@ __device__ __forceinline__ void hadamard_stages(float (&v)[L::kLoads][L::kVec], 
           v[k][t] = (j & o) ? sub_rn(other, v[k][t]) : add_rn(v[k][t], other);
       }
   }
-#pragma unroll
-  for (int h = 1; h < L::kLoads; h *= 2)
-#pragma unroll
-    for (int k = 0; k < L::kLoads; ++k)
-      if (!(k & h)) {
-#pragma unroll
-        for (int t = 0; t < L::kVec; ++t) {
-          const float a = v[k][t], b = v[k + h][t];
-          v[k][t] = add_rn(a, b);
-          v[k + h][t] = sub_rn(a, b);
-        }
-      }
+  pieces_stages<L>(v);
 }
 
 // Forward: v <- v * s (a sign flip, exact), the stages, v <- v * f.
 template <class L, bool kFmaAcrossLanes>
 __device__ __forceinline__ void hadamard_rotate(float (&v)[L::kLoads][L::kVec], int j,
                                                 uint32_t sign_mask, float f) {
-#pragma unroll
-  for (int k = 0; k < L::kLoads; ++k)
-#pragma unroll
-    for (int t = 0; t < L::kVec; ++t)
-      v[k][t] = __uint_as_float(__float_as_uint(v[k][t]) ^
-                                (((sign_mask >> (k * L::kVec + t)) & 1u) << 31));
+  flip_signs<L>(v, sign_mask);
   hadamard_stages<L, kFmaAcrossLanes>(v, j);
-#pragma unroll
-  for (int k = 0; k < L::kLoads; ++k)
-#pragma unroll
-    for (int t = 0; t < L::kVec; ++t) v[k][t] = mul_rn(v[k][t], f);
+  scale_values<L>(v, f);
 }
 
 // Inverse: the stages, then v <- v * (s f).
@@ -385,12 +426,214 @@ template <class L, bool kFmaAcrossLanes>
 __device__ __forceinline__ void hadamard_unrotate(float (&v)[L::kLoads][L::kVec], int j,
                                                   uint32_t sign_mask, float f) {
   hadamard_stages<L, kFmaAcrossLanes>(v, j);
-  const float neg_f = -f;
+  scale_signed<L>(v, sign_mask, f);
+}
+
+// ---- the rotation with half exchanges (ECHO_P2P_ROT_EXCHANGE) --------------------------------
+// The stages above move every value across lanes once a cross-lane stage: one shuffle a value,
+// and the shuffles are most of what a rotation costs (docs/gpu.md). Here a cross-lane stage first
+// swaps the lane bit with the lowest piece bit (the "port"): the lanes of a pair exchange one
+// half of their pieces (the odd slots: one shuffle for two values), after which the stage's
+// butterfly is between two slots of one lane. The stage order stays the reference's (h = 1, 2,
+// 4, ...), so the sums are the same fp32 operations and the bits the same; the group ends in a
+// layout whose lanes hold the pieces of other lanes (a permutation of the lane bits), so codes
+// and outputs are stored at the permuted lane's offsets (rotated_lane / output_lane).
+// Swizzle: both lanes of a pair send their odd slots, so before an exchange on lane bit i the
+// lane with bit i set keeps its port pair swapped (slot m holds piece m ^ 1). The butterfly
+// before it writes its sum and difference in that order (per-lane +-1 factors: one rounding each,
+// as a sum or a difference), and the first exchange's swizzle is taken by loading piece m ^ 1
+// into slot m; a plan (below, computed at compile time) says which lane bit sets the swizzle
+// before and after every port butterfly.
+
+// Which index bit each lane bit holds, and what each stage does, for a layout of nt piece-value
+// bits (kVec), nj lane bits and nk piece bits (index bits low to high: t, lane, piece).
+struct RotationPlan {
+  static constexpr int kMaxBits = 12;
+  int nt = 0, nj = 0, nk = 0;
+  int exch[kMaxBits] = {};        // stage s (bit nt + s): the lane bit swapped with the port, or -1
+  int kbit[kMaxBits] = {};        // the piece bit of the stage's butterfly after it (0: the port)
+  int swz_before[kMaxBits] = {};  // port butterflies: the lane bit whose value is the swizzle
+  int swz_after[kMaxBits] = {};   //   before / after it (-1: no swizzle)
+  int lane_in[kMaxBits] = {};     // lane bit i holds index bit lane_in[i] at entry
+  int lane_out[kMaxBits] = {};    //   and lane_out[i] at exit
+  int entry_swz = -1, exit_swz = -1;
+};
+
+ECHO_HD constexpr int ilog2(int v) {
+  int r = 0;
+  while ((1 << r) < v) ++r;
+  return r;
+}
+
+// The plan of the stages nt .. nt + nj + nk - 1 from the lane layout lane_in, ending with the
+// swizzle of lane bit exit_req (-1: none). Piece bits above the port never move.
+ECHO_HD constexpr RotationPlan plan_rotation(int nt, int nj, int nk, const int (&lane_in)[12],
+                                             int exit_req) {
+  RotationPlan p;
+  p.nt = nt; p.nj = nj; p.nk = nk;
+  int holds[RotationPlan::kMaxBits] = {};
+  for (int i = 0; i < nj; ++i) holds[i] = p.lane_in[i] = lane_in[i];
+  int port = nt + nj;
+  for (int s = 0; s < nj + nk; ++s) {
+    const int b = nt + s;
+    int at = -1;
+    for (int i = 0; i < nj; ++i)
+      if (holds[i] == b) at = i;
+    p.exch[s] = at;
+    if (at >= 0) {
+      holds[at] = port;
+      port = b;
+    }
+    p.kbit[s] = port == b ? 0 : b - (nt + nj);
+  }
+  for (int i = 0; i < nj; ++i) p.lane_out[i] = holds[i];
+  for (int s = 0; s < nj + nk; ++s) {  // the first exchange needs its swizzle from the loads
+    if (p.exch[s] >= 0) { p.entry_swz = p.exch[s]; break; }
+    if (p.kbit[s] == 0) break;
+  }
+  int cur = p.entry_swz;
+  for (int s = 0; s < nj + nk; ++s) {
+    p.swz_before[s] = p.swz_after[s] = -1;
+    if (p.exch[s] >= 0) cur = p.exch[s];
+    if (p.kbit[s] == 0) {
+      int next = exit_req;
+      for (int s2 = s + 1; s2 < nj + nk; ++s2)
+        if (p.exch[s2] >= 0) { next = p.exch[s2]; break; }
+      p.swz_before[s] = cur;
+      p.swz_after[s] = cur = next;
+    }
+  }
+  p.exit_swz = cur;
+  return p;
+}
+
+// 0 or 1: lane j's swizzle when it is lane bit `bit`'s value (-1: none).
+ECHO_HD constexpr int swizzle_of(int bit, int j) { return bit < 0 ? 0 : (j >> bit) & 1; }
+
+// The natural lane (piece offset) of lane j in a layout whose lane bit i holds index bit
+// lane_bits[i] (lane bits nt .. nt + nj - 1 in the natural layout).
+ECHO_HD constexpr int natural_lane(const int (&lane_bits)[12], int nt, int nj, int j) {
+  int r = 0;
+  for (int i = 0; i < nj; ++i)
+    if ((j >> i) & 1) r |= 1 << (lane_bits[i] - nt);
+  return r;
+}
+
+// The forward rotation's plan (from the natural layout, ending with the swizzle the inverse
+// starts with) and the inverse's (from the forward's exit layout, ending unswizzled).
+template <class L>
+struct ExchangePlans {
+  static constexpr int kT = ilog2(L::kVec), kJ = ilog2(L::kLanes), kK = ilog2(L::kLoads);
+  static_assert(kK >= 1, "the half exchange needs two pieces a lane");
+  ECHO_HD static constexpr RotationPlan forward() {
+    int natural[12] = {};
+    for (int i = 0; i < kJ; ++i) natural[i] = kT + i;
+    const RotationPlan first = plan_rotation(kT, kJ, kK, natural, -1);
+    return plan_rotation(kT, kJ, kK, natural, inverse_of(first).entry_swz);
+  }
+  ECHO_HD static constexpr RotationPlan inverse_of(const RotationPlan& f) {
+    return plan_rotation(kT, kJ, kK, f.lane_out, -1);
+  }
+  ECHO_HD static constexpr RotationPlan inverse() { return inverse_of(forward()); }
+  static_assert(inverse().entry_swz == forward().exit_swz,
+                "the inverse starts as the forward ends");
+  static_assert(inverse().exit_swz < 0, "the inverse ends unswizzled");
+  // (The plans are local constexpr copies where device code reads them: no host object is used.)
+
+  // The piece lane j loads into slot m of the forward rotation's input (its own lane, natural).
+  ECHO_HD static int input_piece(int j, int m) {
+    constexpr int bit = forward().entry_swz;
+    return m ^ swizzle_of(bit, j);
+  }
+  // Where lane j's slot m of the rotated group (codes) is: lane rotated_lane(j), piece
+  // rotated_piece(j, m).
+  ECHO_HD static int rotated_lane(int j) {
+    constexpr RotationPlan f = forward();
+    return natural_lane(f.lane_out, kT, kJ, j);
+  }
+  ECHO_HD static int rotated_piece(int j, int m) {
+    constexpr int bit = forward().exit_swz;
+    return m ^ swizzle_of(bit, j);
+  }
+  // Where lane j's slot m of the inverse rotation's output is: lane output_lane(j), piece m.
+  ECHO_HD static int output_lane(int j) {
+    constexpr RotationPlan inv = inverse();
+    return natural_lane(inv.lane_out, kT, kJ, j);
+  }
+};
+
+// Stage s of a plan on lane j's values (s = 0 .. kJ + kK - 1), then the next.
+template <class L, class Plans, bool kInverse, int S>
+__device__ __forceinline__ void exchange_stage(float (&v)[L::kLoads][L::kVec], int j) {
+  if constexpr (S < Plans::kJ + Plans::kK) {
+    constexpr RotationPlan P = kInverse ? Plans::inverse() : Plans::forward();
+    constexpr int kExch = P.exch[S], kBit = P.kbit[S];
+    constexpr int kBefore = P.swz_before[S], kAfter = P.swz_after[S];
+    if constexpr (kExch >= 0) {  // the pair swaps its odd slots: one shuffle, two values
 #pragma unroll
-  for (int k = 0; k < L::kLoads; ++k)
+      for (int m = 1; m < L::kLoads; m += 2)
 #pragma unroll
-    for (int t = 0; t < L::kVec; ++t)
-      v[k][t] = mul_rn(v[k][t], ((sign_mask >> (k * L::kVec + t)) & 1u) ? neg_f : f);
+        for (int t = 0; t < L::kVec; ++t)
+          v[m][t] = __shfl_xor_sync(0xffffffffu, v[m][t], 1 << kExch);
+    }
+    if constexpr (kBit == 0) {
+      // Slots (m, m + 1) hold the low and high values swapped when the swizzle s is 1; the sum
+      // and the difference (low - high) go out swapped when s2 is 1. Each output is
+      // fma(+-1, p0, +-p1): one rounding of the sum or the difference, -0 included.
+      const float cs = swizzle_of(kBefore, j) ? -1.0f : 1.0f;
+      const bool s2 = swizzle_of(kAfter, j) != 0;
+      const float u0 = s2 ? cs : 1.0f, w0 = s2 ? -cs : 1.0f;
+      const float u1 = s2 ? 1.0f : cs, w1 = s2 ? 1.0f : -cs;
+#pragma unroll
+      for (int m = 0; m < L::kLoads; m += 2)
+#pragma unroll
+        for (int t = 0; t < L::kVec; ++t) {
+          const float p0 = v[m][t], p1 = v[m + 1][t];
+          v[m][t] = fma_rn(u0, p0, mul_rn(w0, p1));
+          v[m + 1][t] = fma_rn(u1, p0, mul_rn(w1, p1));
+        }
+    } else {  // a higher piece bit: slots m and m + 2^kbit of the lane, in place
+      pieces_stage<L, (1 << kBit)>(v);
+    }
+    exchange_stage<L, Plans, kInverse, S + 1>(v, j);
+  }
+}
+
+// Sign mask of lane j for the exchange rotation: bit m * kVec + t set when slot m, value t holds
+// an index with s_i = -1; input: the forward rotation's input layout, else the inverse's output.
+template <class L>
+__device__ __forceinline__ uint32_t exchange_sign_mask(int j, bool input) {
+  using X = ExchangePlans<L>;
+  static_assert(L::kValuesPerLane <= 32, "a lane's sign mask holds 32 values");
+  uint32_t mask = 0;
+#pragma unroll
+  for (int m = 0; m < L::kLoads; ++m)
+#pragma unroll
+    for (int t = 0; t < L::kVec; ++t) {
+      const int i =
+          input ? L::index(j, X::input_piece(j, m), t) : L::index(X::output_lane(j), m, t);
+      if (hadamard_sign_negative(i)) mask |= 1u << (m * L::kVec + t);
+    }
+  return mask;
+}
+
+// Forward: v <- v * s, the stages, v <- v * f; v loaded by input_piece, stored by rotated_*.
+template <class L>
+__device__ __forceinline__ void hadamard_exchange_rotate(float (&v)[L::kLoads][L::kVec], int j,
+                                                         uint32_t sign_mask, float f) {
+  flip_signs<L>(v, sign_mask);
+  piece_stages<L>(v);
+  exchange_stage<L, ExchangePlans<L>, false, 0>(v, j);
+  scale_values<L>(v, f);
+}
+
+// Inverse: the stages, v <- v * (s f); v loaded by rotated_*, stored by output_lane.
+template <class L>
+__device__ __forceinline__ void hadamard_exchange_unrotate(float (&v)[L::kLoads][L::kVec], int j,
+                                                           uint32_t sign_mask, float f) {
+  piece_stages<L>(v);
+  exchange_stage<L, ExchangePlans<L>, true, 0>(v, j);
+  scale_signed<L>(v, sign_mask, f);
 }
 
 }  // namespace fast

@@ -8,23 +8,14 @@ a stride of all fp32 bit patterns and on every tie of the code range, for the fo
 the check can fail.
 """
 
-import pathlib
-import shutil
-import subprocess
-
 import pytest
+from host_tools import CXX, ROOT, build_and_run, mutated_headers
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="needs a host C++ compiler")
 
 
 def run_check(include_dir, tmp_path, stride="65537"):
-    exe = tmp_path / "round_code_check"
-    subprocess.run([CXX, "-O2", "-ffp-contract=off", "-std=c++17", f"-I{include_dir}",
-                    str(ROOT / "ffi" / "tools" / "round_code_check.cc"), "-o", str(exe)],
-                   check=True, capture_output=True, text=True)
-    return subprocess.run([str(exe), stride], capture_output=True, text=True, timeout=300)
+    return build_and_run("round_code_check.cc", include_dir, tmp_path, stride)
 
 
 def test_round_code_matches_the_conversions(tmp_path):
@@ -44,13 +35,5 @@ MUTANTS = {
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_the_check_rejects_a_broken_round_code(tmp_path, mutant):
-    old, new = MUTANTS[mutant]
-    headers = tmp_path / "ffi"
-    headers.mkdir()
-    for name in ("echo_common.h", "quant_fast.cuh"):
-        shutil.copy(ROOT / "ffi" / name, headers / name)
-    text = (headers / "quant_fast.cuh").read_text()
-    assert old in text, f"the mutant's target is gone from quant_fast.cuh: {old!r}"
-    (headers / "quant_fast.cuh").write_text(text.replace(old, new))
-    r = run_check(headers, tmp_path)
+    r = run_check(mutated_headers(tmp_path, *MUTANTS[mutant]), tmp_path)
     assert r.returncode == 1 and "mismatches: 0" not in r.stdout, r.stdout

@@ -28,7 +28,8 @@ SASS = """
 
 @pytest.fixture(scope="module")
 def sass_mix():
-    spec = importlib.util.spec_from_file_location("sass_mix", ROOT / "ffi" / "tools" / "sass_mix.py")
+    path = ROOT / "ffi" / "tools" / "sass_mix.py"
+    spec = importlib.util.spec_from_file_location("sass_mix", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
