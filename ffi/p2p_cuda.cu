@@ -885,11 +885,11 @@ struct FastStages {
   // a warp, 16 KiB a block) while it quantizes the current one; bit 1, the reduce its own x
   // likewise. Why: the stages wait on memory with one group set a warp in flight (one H200, 4
   // virtual ranks, 256 MB a rank, before the launch bounds: push 0.38 ms fp32 / 0.66 ms bf16,
-  // against 0.18 / 0.13 ms to issue its instructions, counted in the SASS, and 0.22 / 0.12 ms
-  // to move its bytes at the copy's rate), and issuing the next set's loads into registers
-  // raised them and was slower (below); copies into shared memory keep loads in flight without
-  // registers. Each lane reads back only the words it copied, so its own cp.async.wait_group
-  // orders them (no barrier).
+  // against 0.19 / 0.28 ms to issue its instructions, counted in the SASS, and 0.22 / 0.25 ms
+  // to move its bytes at the copy's rate; docs/gpu.md), and issuing the next set's loads into
+  // registers raised them and was slower (below); copies into shared memory keep loads in
+  // flight without registers. Each lane reads back only the words it copied, so its own
+  // cp.async.wait_group orders them (no barrier).
   static constexpr bool kPrefetchPush = (ECHO_P2P_PREFETCH & 1) && !COMP;
   static constexpr bool kPrefetchReduce = (ECHO_P2P_PREFETCH & 2) && !COMP;
   static constexpr bool kPrefetch = kPrefetchPush || kPrefetchReduce;  // the buffers exist
@@ -919,6 +919,25 @@ struct FastStages {
     }
     cp_async_commit();
   }
+  // A stage loop over the group sets q0 = warp * kGpw, + warps * kGpw, ... stages x when kOn:
+  // the first set before the loop (prefetch_start), then at the top of each iteration (buffer s)
+  // the next set's copies into the other buffer and the wait for this set's (prefetch_next).
+  template <bool kOn>
+  __device__ __forceinline__ static void prefetch_start(const KernelArgs& a, int seg,
+                                                        int64_t first, int count, int warp,
+                                                        int lane) {
+    if constexpr (kOn)
+      prefetch_x(a, seg, first, count, warp * kGpw, lane, prefetch_buffer(warp, 0));
+  }
+  template <bool kOn>
+  __device__ __forceinline__ static void prefetch_next(const KernelArgs& a, int seg,
+                                                       int64_t first, int count, int q0,
+                                                       int warps, int warp, int lane, int s) {
+    if constexpr (kOn) {
+      prefetch_x(a, seg, first, count, q0 + warps * kGpw, lane, prefetch_buffer(warp, s ^ 1));
+      cp_async_wait<1>();  // this set's copies (the group before the newest) have landed
+    }
+  }
 
   // Measured on one H200 (4 virtual ranks, 256 MB per rank): issuing the loads of two group
   // sets per warp before using either, and the P - 1 peers' code words of a group before the
@@ -940,14 +959,10 @@ struct FastStages {
     uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
     uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
     const float f = scale_of(a);
-    if constexpr (kPrefetchPush)
-      prefetch_x(a, seg, first, count, warp * kGpw, lane, prefetch_buffer(warp, 0));
+    prefetch_start<kPrefetchPush>(a, seg, first, count, warp, lane);
     // s: the buffer of this group set (prefetch), toggled by every iteration, `continue` too.
     for (int q0 = warp * kGpw, s = 0; q0 < count; q0 += warps * kGpw, s ^= 1) {
-      if constexpr (kPrefetchPush) {
-        prefetch_x(a, seg, first, count, q0 + warps * kGpw, lane, prefetch_buffer(warp, s ^ 1));
-        cp_async_wait<1>();  // this set's copies (the group before the newest) have landed
-      }
+      prefetch_next<kPrefetchPush>(a, seg, first, count, q0, warps, warp, lane, s);
       const int q = q0 + lane / kLanes;
       const bool valid = q < count;
       const int64_t e0 = (seg * a.seg_groups + first + q) * G;
@@ -995,13 +1010,9 @@ struct FastStages {
     uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
     // q0 is the same for the 32 lanes of a warp, so every shuffle runs with the whole warp;
     // the lanes of a group past the tile's end compute on zeros and store nothing.
-    if constexpr (kPrefetchPush)
-      prefetch_x(a, seg, first, count, warp * kGpw, lane, prefetch_buffer(warp, 0));
+    prefetch_start<kPrefetchPush>(a, seg, first, count, warp, lane);
     for (int q0 = warp * kGpw, s = 0; q0 < count; q0 += warps * kGpw, s ^= 1) {
-      if constexpr (kPrefetchPush) {  // as in push_plain
-        prefetch_x(a, seg, first, count, q0 + warps * kGpw, lane, prefetch_buffer(warp, s ^ 1));
-        cp_async_wait<1>();
-      }
+      prefetch_next<kPrefetchPush>(a, seg, first, count, q0, warps, warp, lane, s);
       const int q = q0 + lane / kLanes;
       const bool valid = q < count;
       const int64_t e0 = (seg * a.seg_groups + first + q) * G;
@@ -1077,13 +1088,9 @@ struct FastStages {
                                 int warp, int warps, int lane) {
     const int j = lane % kLanes;
     const uint32_t sm = sign_mask(j);
-    if constexpr (kPrefetchReduce)  // the own x, staged as in push_plain
-      prefetch_x(a, a.me, first, count, warp * kGpw, lane, prefetch_buffer(warp, 0));
+    prefetch_start<kPrefetchReduce>(a, a.me, first, count, warp, lane);  // the own x
     for (int q0 = warp * kGpw, s = 0; q0 < count; q0 += warps * kGpw, s ^= 1) {
-      if constexpr (kPrefetchReduce) {
-        prefetch_x(a, a.me, first, count, q0 + warps * kGpw, lane, prefetch_buffer(warp, s ^ 1));
-        cp_async_wait<1>();
-      }
+      prefetch_next<kPrefetchReduce>(a, a.me, first, count, q0, warps, warp, lane, s);
       const int q = q0 + lane / kLanes;
       const bool valid = q < count;
       const int64_t local = local0 + q;

@@ -454,8 +454,7 @@ struct RotationPlan {
   int kbit[kMaxBits] = {};        // the piece bit of the stage's butterfly after it (0: the port)
   int swz_before[kMaxBits] = {};  // port butterflies: the lane bit whose value is the swizzle
   int swz_after[kMaxBits] = {};   //   before / after it (-1: no swizzle)
-  int lane_in[kMaxBits] = {};     // lane bit i holds index bit lane_in[i] at entry
-  int lane_out[kMaxBits] = {};    //   and lane_out[i] at exit
+  int lane_out[kMaxBits] = {};    // lane bit i holds index bit lane_out[i] at exit
   int entry_swz = -1, exit_swz = -1;
 };
 
@@ -467,12 +466,13 @@ ECHO_HD constexpr int ilog2(int v) {
 
 // The plan of the stages nt .. nt + nj + nk - 1 from the lane layout lane_in, ending with the
 // swizzle of lane bit exit_req (-1: none). Piece bits above the port never move.
-ECHO_HD constexpr RotationPlan plan_rotation(int nt, int nj, int nk, const int (&lane_in)[12],
+ECHO_HD constexpr RotationPlan plan_rotation(int nt, int nj, int nk,
+                                             const int (&lane_in)[RotationPlan::kMaxBits],
                                              int exit_req) {
   RotationPlan p;
   p.nt = nt; p.nj = nj; p.nk = nk;
   int holds[RotationPlan::kMaxBits] = {};
-  for (int i = 0; i < nj; ++i) holds[i] = p.lane_in[i] = lane_in[i];
+  for (int i = 0; i < nj; ++i) holds[i] = lane_in[i];
   int port = nt + nj;
   for (int s = 0; s < nj + nk; ++s) {
     const int b = nt + s;
@@ -512,7 +512,8 @@ ECHO_HD constexpr int swizzle_of(int bit, int j) { return bit < 0 ? 0 : (j >> bi
 
 // The natural lane (piece offset) of lane j in a layout whose lane bit i holds index bit
 // lane_bits[i] (lane bits nt .. nt + nj - 1 in the natural layout).
-ECHO_HD constexpr int natural_lane(const int (&lane_bits)[12], int nt, int nj, int j) {
+ECHO_HD constexpr int natural_lane(const int (&lane_bits)[RotationPlan::kMaxBits], int nt, int nj,
+                                   int j) {
   int r = 0;
   for (int i = 0; i < nj; ++i)
     if ((j >> i) & 1) r |= 1 << (lane_bits[i] - nt);
@@ -526,7 +527,7 @@ struct ExchangePlans {
   static constexpr int kT = ilog2(L::kVec), kJ = ilog2(L::kLanes), kK = ilog2(L::kLoads);
   static_assert(kK >= 1, "the half exchange needs two pieces a lane");
   ECHO_HD static constexpr RotationPlan forward() {
-    int natural[12] = {};
+    int natural[RotationPlan::kMaxBits] = {};
     for (int i = 0; i < kJ; ++i) natural[i] = kT + i;
     const RotationPlan first = plan_rotation(kT, kJ, kK, natural, -1);
     return plan_rotation(kT, kJ, kK, natural, inverse_of(first).entry_swz);
