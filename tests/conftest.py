@@ -68,6 +68,40 @@ def reference_allreduce(x, cfg, state=None, rescale=False):
                             axis_name="tp"))(x, state)
 
 
+def compensated_sites(cfg, xs, rescale=False):
+    """Compensated echo_psum sites in a row, the state carried from one to the next (as a
+    model's layers), under shard_map over "tp" = the rows of xs [P, steps, n], compiled.
+
+    Returns ((y [P, steps, n], m1 [P, n], m2 [P, n]), the compiled program's text); asserts
+    that the sites take cfg.transport.
+    """
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec
+    import echo_jax as ej
+    from echo_jax import collective
+    from echo_jax import compensator as comp
+
+    nranks, steps, n = xs.shape
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:nranks]), ("tp",))
+
+    def body(x):
+        assert collective.resolve_transport(cfg, "tp", n) == cfg.transport
+        s = ej.init_state(x[0, 0], cfg)
+        s = comp.CompensatorState(lax.pcast(s.m1, "tp", to="varying"),
+                                  lax.pcast(s.m2, "tp", to="varying"))
+        outs = []
+        for i in range(steps):
+            y, s = ej.echo_psum(x[0, i], "tp", config=cfg, state=s, rescale=rescale)
+            outs.append(lax.pcast(y, "tp", to="varying"))
+        return jnp.stack(outs)[None], s.m1[None], s.m2[None]
+
+    rows = PartitionSpec("tp")
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=rows, out_specs=(rows,) * 3))
+    args = jax.device_put(xs, NamedSharding(mesh, rows))
+    return f(args), f.lower(args).compile().as_text()
+
+
 def make_mesh(shape, names):
     """A mesh over the first prod(shape) devices (Auto axes: inputs may arrive unsharded)."""
     n = int(np.prod(shape))

@@ -14,14 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import echo_jax as ej
 from echo_jax import collective
-from echo_jax import compensator as comp
 from echo_jax import tp
 from echo_jax import transports
+from conftest import compensated_sites
 from np_reference import coefficients
 
 BF16 = ej.EchoConfig(bits=4, transport="xla", state_dtype="bfloat16")
@@ -226,32 +224,17 @@ def test_xla_equals_p2p_bit_for_bit_with_a_bf16_state(nranks, xdtype, rotation):
         pytest.skip("echo_jax._ffi (the compiled custom call) is not built")
     if len(jax.devices()) < nranks:
         pytest.skip(f"needs {nranks} devices")
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:nranks]), ("tp",))
     n, steps = 1000, 3
     xs = jax.random.normal(jax.random.key(nranks), (nranks, steps, n)).astype(xdtype)
 
     def run(transport):
         cfg = BF16.replace(transport=transport, rotation=rotation)
-
-        def body(x):
-            assert collective.resolve_transport(cfg, "tp", n) == transport
-            s = ej.init_state(x[0, 0], cfg)
-            s = comp.CompensatorState(lax.pcast(s.m1, "tp", to="varying"),
-                                      lax.pcast(s.m2, "tp", to="varying"))
-            outs = []
-            for i in range(steps):
-                y, s = ej.echo_psum(x[0, i], "tp", config=cfg, state=s)
-                outs.append(lax.pcast(y, "tp", to="varying"))
-            return jnp.stack(outs)[None], s.m1[None], s.m2[None]
-
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=(P("tp"),) * 3))
-        args = jax.device_put(xs, NamedSharding(mesh, P("tp")))
-        text = f.lower(args).compile().as_text()
+        out, text = compensated_sites(cfg, xs)
         # p2p: the fused call, once a step (apply and update inside it); xla: no custom call.
         target = 'custom_call_target="{}"'.format
         assert text.count(target(p2p.TARGET_COMPENSATED)) == (steps if transport == "p2p" else 0)
         assert target(p2p.TARGET) not in text
-        return f(args)
+        return out
 
     got, want = run("p2p"), run("xla")
     assert got[1].dtype == jnp.bfloat16

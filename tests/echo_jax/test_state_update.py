@@ -24,13 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import echo_jax as ej
 from echo_jax import collective
 from echo_jax import compensator as comp
 from echo_jax import transports
+from conftest import compensated_sites
 from np_reference import coefficients
 
 F32 = np.float32
@@ -154,33 +153,18 @@ def test_applied_call_equals_xla_bit_for_bit(nranks, xdtype, state_dtype, rotati
                                              policy, rescale):
     from echo_jax import p2p
     cpu_custom_call_or_skip(nranks)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:nranks]), ("tp",))
     n, steps = 1000, 3
     xs = jax.random.normal(jax.random.key(nranks), (nranks, steps, n)).astype(xdtype)
 
     def run(transport):
         cfg = ej.EchoConfig(bits=bits_, policy=policy, transport=transport, rotation=rotation,
                             state_dtype=state_dtype, state_update="separate")
-
-        def body(x):
-            assert collective.resolve_transport(cfg, "tp", n) == transport
-            s = ej.init_state(x[0, 0], cfg)
-            s = comp.CompensatorState(lax.pcast(s.m1, "tp", to="varying"),
-                                      lax.pcast(s.m2, "tp", to="varying"))
-            outs = []
-            for i in range(steps):
-                y, s = ej.echo_psum(x[0, i], "tp", config=cfg, state=s, rescale=rescale)
-                outs.append(lax.pcast(y, "tp", to="varying"))
-            return jnp.stack(outs)[None], s.m1[None], s.m2[None]
-
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=(P("tp"),) * 3))
-        args = jax.device_put(xs, NamedSharding(mesh, P("tp")))
-        text = f.lower(args).compile().as_text()
+        out, text = compensated_sites(cfg, xs, rescale=rescale)
         target = 'custom_call_target="{}"'.format
         assert text.count(target(p2p.TARGET_APPLIED)) == (steps if transport == "p2p" else 0)
         assert target(p2p.TARGET_COMPENSATED) not in text
         assert target(p2p.TARGET) not in text
-        return f(args)
+        return out
 
     got, want = run("p2p"), run("xla")
     for a, b, what in zip(got, want, ("y", "m1", "m2")):
