@@ -103,18 +103,18 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #define ECHO_P2P_MIN_BLOCKS_APPLIED_16 1
 #endif
 // 1: the 16-bit uncompensated unrotated push takes its group range before scaling, over the
-// unpacked fp32 values, as the fp32 one (push_plain; built, not yet run: ptxas 48 registers
-// under the bound, 48-64 bytes of spills against 28-52). 0: as measured.
+// unpacked fp32 values, as the fp32 one (push_plain; not yet measured on a GPU: ptxas 48
+// registers under the bound, 48-64 bytes of spills against 28-52). 0: as measured.
 #ifndef ECHO_P2P_PLAIN_PUSH_16
 #define ECHO_P2P_PLAIN_PUSH_16 0
 #endif
 // 1: the uncompensated rotated instances rotate with half exchanges (FastStages::kExchange,
-// quant_fast.cuh; built, checked on the host, not yet run on a GPU). 0: as measured.
+// quant_fast.cuh; checked on the host, not yet measured on a GPU). 0: as measured.
 #ifndef ECHO_P2P_ROT_EXCHANGE
 #define ECHO_P2P_ROT_EXCHANGE 0
 #endif
 // Bit 0: the uncompensated push stages the next group set's x in shared memory, bit 1: the
-// reduce its own x (FastStages::kPrefetchPush / kPrefetchReduce; built, not yet run on a GPU).
+// reduce its own x (FastStages::kPrefetchPush / kPrefetchReduce; not yet measured on a GPU).
 // 0: as measured.
 #ifndef ECHO_P2P_PREFETCH
 #define ECHO_P2P_PREFETCH 0
@@ -645,7 +645,7 @@ struct FastStages {
   // (one load: p2p4 1.533 -> 1.620 ms; rotated, 80 -> 48 registers but p2p4-rot 2.168 -> 2.578).
   // Four in the uncompensated rotated instances would take one shuffle stage a rotation away
   // (8 lanes a 128-group in fp32), but ptxas gave fp32 104-110 registers (64 with two) and the
-  // 16-bit ones 650-750 bytes of spills under their 4-blocks bound (sm_90a; not run).
+  // 16-bit ones 650-750 bytes of spills under their 4-blocks bound (sm_90a; not timed).
   static constexpr int kLoadsPerLane = sizeof(T) == 2 && COMP ? 1 : 2;
   using L = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, kLoadsPerLane>()>;
   static constexpr int kVec = L::kVec, kLanes = L::kLanes, kLoads = L::kLoads;
@@ -660,7 +660,7 @@ struct FastStages {
       : ROT ? (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_ROT_32 : ECHO_P2P_MIN_BLOCKS_ROT_16)
             : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);
 
-  // ECHO_P2P_ROT_EXCHANGE (the uncompensated rotated instances; built, not yet run on a GPU):
+  // ECHO_P2P_ROT_EXCHANGE (the uncompensated rotated instances; not yet measured on a GPU):
   // the rotation with half exchanges (quant_fast.cuh: one shuffle for two values a cross-lane
   // stage instead of one a value; the same bits, checked on the host by
   // ffi/tools/hadamard_exchange_check.cc). Its groups are loaded, stored as codes and stored as
@@ -880,7 +880,7 @@ struct FastStages {
     return local * kCodeBytes + static_cast<int64_t>(k * kLanes + j) * kPieceBytes;
   }
 
-  // ECHO_P2P_PREFETCH (a build switch, 0 by default; built, not yet run on a GPU): bit 0, the
+  // ECHO_P2P_PREFETCH (a build switch, 0 by default; not yet measured on a GPU): bit 0, the
   // uncompensated push copies the next group set's x into shared memory (cp.async, two buffers
   // a warp, 16 KiB a block) while it quantizes the current one; bit 1, the reduce its own x
   // likewise. Why: the stages wait on memory with one group set a warp in flight (one H200, 4

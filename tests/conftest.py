@@ -7,6 +7,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
 import jax  # noqa: E402
+from jax import lax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -113,3 +114,11 @@ def make_mesh(shape, names):
 
 def put(x, mesh, spec):
     return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def as_varying(y, axes):
+    """Per-rank values out of shard_map (no runtime cost): type y as varying over `axes`."""
+    mat = getattr(jax.typeof(y), "mat", None)
+    have = set(mat.varying) if mat is not None else set()
+    missing = tuple(a for a in axes if a not in have)
+    return lax.pcast(y, missing, to="varying") if missing else y

@@ -3,8 +3,10 @@
 Loaded as a pytest plugin (``-p mutants``, with tests/ on sys.path) by tests/test_mutants.py:
 with ``ECHO_JAX_MUTANT=<name>`` in the environment it rewrites one function of the library in
 memory before any test runs (the source text of the function with one change, compiled into its
-own module), so the named tests run against a broken implementation. Nothing on disk changes,
-and without the variable the plugin does nothing.
+own module), so the named tests run against a broken implementation. Nothing in the tree
+changes, and without the variable the plugin does nothing. A mutant of the C++ CPU handler
+(`_native_mutant`) compiles the handler's source with one change into a library in the temporary
+directory and registers its handlers in place of echo_jax._ffi's.
 
 Each entry of `MUTANTS` is (what the mutant breaks, how it is applied, the node ids of the tests
 that must fail on it). The killers are the tests that check the claim against an independent
@@ -178,8 +180,113 @@ def _p2p_transient_ulp():
     _replace_everywhere(original, p2p_allreduce)
 
 
+def _backward_cotangent_unscaled():
+    from echo_jax import tp
+    bwd = mutate(tp, "_backward_site_bwd",
+                 ("_reduce_switch(ct_x, axis, config, choice, live_state, rescale,",
+                  "_reduce_switch(ct_x, axis, config, choice, live_state, False,"))
+    tp._backward_site.defvjp(tp._backward_site_fwd, bwd)
+
+
+def _greedy_by_absolute_gain():
+    from echo_jax import calibration
+    mutate(calibration, "choose_site_configs",
+           ("key = (math.inf if extra <= tol else gain / extra, gain)",
+            "key = (math.inf if extra <= tol else gain, gain)"))
+
+
+# A mutant of the C++ CPU handler: the handler's source (ffi/) with one change, compiled into a
+# shared library of its own (the handlers are extern "C" XLA FFI symbols) and registered in place
+# of echo_jax._ffi's handlers before any test runs. The build is cached by the hash of its inputs
+# in the temporary directory (about 6 s on 2 cores the first time).
+_NATIVE_SOURCE = "ffi/echo_allreduce_cpu.cc"
+_NATIVE_HANDLERS = ("echo_allreduce_cpu", "echo_allreduce_comp_cpu", "echo_allreduce_applied_cpu")
+
+
+def native_unavailable():
+    """Why a mutant of the C++ handler cannot be built here (None when it can)."""
+    import shutil
+
+    from echo_jax.transports import cpu
+    if "cpu" not in cpu.available_platforms():
+        return "echo_jax._ffi (the CPU custom call) is not built"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++ or $CXX) to build the mutated handler"
+    return None
+
+
+def _native_mutant(name, *edits):
+    import ctypes
+    import hashlib
+    import pathlib
+    import subprocess
+    import tempfile
+
+    import jax
+    import jaxlib
+
+    from echo_jax.transports import cpu
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    src = (repo / _NATIVE_SOURCE).read_text()
+    for old, new in edits:
+        if src.count(old) != 1:
+            raise RuntimeError(f"mutant {name} of {_NATIVE_SOURCE}: expected one occurrence "
+                               f"of {old!r}, found {src.count(old)}")
+        src = src.replace(old, new)
+    include = jax.ffi.include_dir()
+    cxx = os.environ.get("CXX", "c++")
+    flags = ["-std=c++17", "-O2", "-DNDEBUG", "-fPIC", "-shared", "-ffp-contract=off",
+             "-fno-fast-math", "-pthread"]
+    digest = hashlib.sha256()
+    for part in [src, cxx, include, jaxlib.__version__, *flags] + [p.read_text() for p in
+                                               sorted((repo / "ffi").glob("*.h"))]:
+        digest.update(part.encode() + b"\0")
+    out = pathlib.Path(tempfile.gettempdir()) / "echo_jax_mutants"
+    lib = out / f"{name}-{digest.hexdigest()[:16]}.so"
+    if not lib.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out) as tmp:
+            cc = pathlib.Path(tmp) / "mutant.cc"
+            cc.write_text(src)
+            so = pathlib.Path(tmp) / "mutant.so"
+            proc = subprocess.run([cxx, *flags, f"-I{repo / 'ffi'}", "-isystem", include,
+                                   str(cc), "-o", str(so)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"mutant {name}: the build failed:\n{proc.stderr[-3000:]}")
+            os.replace(so, lib)   # atomic: a concurrent run sees the whole library or none
+    handlers = ctypes.CDLL(str(lib))
+    real = cpu._ffi
+
+    class MutatedFfi:
+        """echo_jax._ffi with the mutated handlers; everything else from the real module."""
+
+        def registrations(self):
+            return {h: jax.ffi.pycapsule(getattr(handlers, h)) for h in _NATIVE_HANDLERS}
+
+        def __getattr__(self, attr):
+            return getattr(real, attr)
+
+    assert not cpu._registered, "the CPU handlers were registered before the mutant"
+    cpu._ffi = MutatedFfi()
+
+
+def _owner_sums_in_reverse_rank_order():
+    """The owner's reduce loop runs r = P-1..0 (acc starts at rank P-1's value)."""
+    indent = "\n        "
+    _native_mutant(
+        "owner_reverse_order",
+        ("for (int r = 0; r < P; ++r) {" + indent + "float* v = r == 0 ? acc.data()",
+         "for (int r = P - 1; r >= 0; --r) {" + indent + "float* v = r == P - 1 ? acc.data()"),
+        ("if (r > 0) {" + indent + "  for (int t = 0; t < g; ++t) acc[t]",
+         "if (r < P - 1) {" + indent + "  for (int t = 0; t < g; ++t) acc[t]"))
+
+
+_owner_sums_in_reverse_rank_order.unavailable = native_unavailable
+
+
 C = "tests/echo_jax/test_collective.py::"
 Q = "tests/echo_jax/test_quant.py::"
+G = "tests/echo_jax/test_mutation_gaps.py::"
 MUTANTS = {
     # (what it breaks, apply, killers: every one must fail)
     "doubled_scale": (
@@ -246,6 +353,19 @@ MUTANTS = {
         "the custom call is 1 ulp off at a few calls in the middle of a long loop",
         _p2p_transient_ulp,
         ["tests/echo_jax/test_p2p_cpu.py::test_repeated_calls_stay_correct"]),
+    "backward_cotangent_unscaled": (
+        "the backward (f) site reduces the cotangent without its power-of-two rescaling",
+        _backward_cotangent_unscaled,
+        [G + "test_tiny_cotangents_survive_the_backward_all_reduce[xla]",
+         G + "test_tiny_cotangents_survive_the_backward_all_reduce[p2p]"]),
+    "greedy_by_absolute_gain": (
+        "the greedy site choice ranks upgrades by gain instead of gain per extra wire bit",
+        _greedy_by_absolute_gain,
+        [G + "test_greedy_ranks_upgrades_by_gain_per_extra_bit"]),
+    "owner_reverse_order": (
+        "the CPU handler's owner sums its segment in rank order P-1..0 (C++ mutant, built)",
+        _owner_sums_in_reverse_rank_order,
+        [G + "test_owner_sums_in_rank_order_on_a_rounding_boundary"]),
 }
 
 

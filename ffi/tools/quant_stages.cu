@@ -1,4 +1,4 @@
-// Stage timing of the quantizer kernels on one GPU (issue: the custom call at the memory
+// Stage timing of the quantizer kernels on one GPU (the goal: the custom call at the memory
 // roofline). One process times, with CUDA events around each launch (no XLA in between):
 //   * memory probes: a float4 copy (y = 2x), a read-only pass, and "pattern" kernels that make
 //     the quantizer's exact loads and stores with no arithmetic: the floor of its access pattern;

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import echo_jax as ej
+from conftest import as_varying
 from echo_jax import collective
 from echo_jax import compensator as comp
 from echo_jax import p2p, policies, quant
@@ -41,14 +42,6 @@ def mesh_of(shape, names):
 
 def put(x, mesh, spec):
     return jax.device_put(x, NamedSharding(mesh, spec))
-
-
-def as_varying(y, axes):
-    """Per-rank values out of shard_map (no runtime cost): type y as varying over `axes`."""
-    mat = getattr(jax.typeof(y), "mat", None)
-    have = set(mat.varying) if mat is not None else set()
-    missing = tuple(a for a in axes if a not in have)
-    return lax.pcast(y, missing, to="varying") if missing else y
 
 
 def bits_of(a):
