@@ -3,6 +3,10 @@
     import echo_jax as ej
     y = ej.echo_psum(x, "tp", config=ej.EchoConfig(bits=4))            # inside shard_map / vmap
     y, state = ej.echo_psum(x, "tp", config=cfg, state=ej.init_state(x))  # compensated
+    y, state = ej.echo_psum(x, "tp", config=cfg, state=state, return_state=True)  # state or None
+
+`echo_psum` takes what `lax.psum` takes (integer and bool leaves are summed exactly, a tuple of
+axis names is one group); docs/design.md has the table ("The psum contract").
 
 `import echo_jax` is light: it imports neither JAX nor a submodule. Each public name is loaded
 from its module on first use (PEP 562), so a command-line tool can parse its arguments (and set
@@ -33,20 +37,26 @@ _EXPORTS = {
     "site_config_label": "echo_jax.calibration",
     "site_wire_bits": "echo_jax.calibration",
     "choose_site_configs": "echo_jax.calibration",
+    "row_parallel_matmul": "echo_jax.gspmd",
+    "column_parallel_matmul": "echo_jax.gspmd",
+    "state_for": "echo_jax.gspmd",
+    "EchoShardingWarning": "echo_jax.partial_manual",
+    "EchoFallbackWarning": "echo_jax.transports",
 }
 
 __all__ = [
     "EchoConfig", "CompensatorState", "init_state", "echo_psum", "resolve_transport",
     "segment_layout", "quantize_groups", "dequantize_groups", "quantize_dequantize",
     "hadamard_rotate", "hadamard_unrotate", "hadamard_signs", "parse_site_config",
-    "site_config_label", "site_wire_bits", "choose_site_configs",
+    "site_config_label", "site_wire_bits", "choose_site_configs", "row_parallel_matmul",
+    "column_parallel_matmul", "state_for", "EchoShardingWarning", "EchoFallbackWarning",
 ]
 
 
 #: Submodules reachable as attributes (`ej.quant`), as when the package imported them eagerly.
 _SUBMODULES = frozenset({
-    "_compat", "calibration", "collective", "compensator", "config", "p2p", "p2p_cuda",
-    "policies", "quant", "rotation", "tp", "transports",
+    "_compat", "calibration", "collective", "compensator", "config", "gspmd", "p2p", "p2p_cuda",
+    "partial_manual", "policies", "quant", "rotation", "tp", "transports",
 })
 
 

@@ -21,9 +21,11 @@ type. The helpers below read and set that type the JAX way (`jax.typeof(x)`, `la
 Under `jax.vmap(..., axis_name=...)` or `shard_map(..., check_vma=False)` nothing is typed:
 `varying_axes` is empty and the casts are no-ops.
 
-The one private API left: the concrete mesh of `jax.set_mesh` while tracing (the CUDA custom
-call needs the device ids of each group), `jax._src.mesh.get_concrete_mesh` in both versions;
-the public `jax.sharding.get_mesh` refuses to run under `jax.jit`.
+The private APIs left: `weakly_typed` (JAX has no public way to make a result weakly typed, as
+`lax.psum` keeps a Python scalar's weak type), and the concrete mesh of `jax.set_mesh` while
+tracing (the CUDA custom call needs the device ids of each group),
+`jax._src.mesh.get_concrete_mesh` in both versions; the public `jax.sharding.get_mesh` refuses
+to run under `jax.jit`.
 """
 
 from __future__ import annotations
@@ -39,8 +41,25 @@ def varying_axes(x) -> frozenset:
 
 
 def varies_over(x, axis) -> bool:
-    """Whether x is typed as varying over a shard_map axis (never true for a vmap axis)."""
-    return axis in varying_axes(x)
+    """Whether x is typed as varying over a shard_map axis, or over every axis of a tuple of
+    them (never true for a vmap axis)."""
+    have = varying_axes(x)
+    if isinstance(axis, (tuple, list)):
+        return bool(axis) and all(a in have for a in axis)
+    return axis in have
+
+
+def unreduced_axes(x) -> frozenset:
+    """The mesh axes over which x is typed unreduced (`{U:...}`: each rank holds a partial sum
+    whose true value is their sum); empty outside a typed shard_map / explicit sharding."""
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(getattr(mat, "unreduced", ()) or ()) if mat is not None else frozenset()
+
+
+def reduced_axes(x) -> frozenset:
+    """The mesh axes over which x is typed reduced (`{R:...}`); empty where nothing is typed."""
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(getattr(mat, "reduced", ()) or ()) if mat is not None else frozenset()
 
 
 def manual_axes() -> frozenset:
@@ -68,10 +87,41 @@ def to_varying(x, axes):
 
 def all_gather_invariant(x, axis):
     """All-gather of x over `axis` (a new leading axis), typed as invariant over `axis` (as
-    `lax.psum`'s result is) when x is typed as varying over it; otherwise `lax.all_gather`."""
+    `lax.psum`'s result is) when x is typed as varying over it; otherwise `lax.all_gather`.
+
+    `axis` may be a tuple of axis names: the leading axis then runs over their product group in
+    `lax.axis_index(axis)` order (the first name major). Where not every name is a manual axis
+    (e.g. nested `jax.vmap`s, whose all_gather over a tuple of names fails), it is one gather
+    per name, the last name first, which gives that order.
+    """
+    if isinstance(axis, (tuple, list)):
+        names = tuple(axis)
+        if len(names) == 1:
+            return all_gather_invariant(x, names[0])
+        manual = manual_axes()
+        if all(a in manual for a in names):
+            if varies_over(x, names):
+                return lax.all_gather(x, names, to="invarying")
+            return lax.all_gather(x, names)
+        out = x
+        for name in reversed(names):
+            out = all_gather_invariant(out, name)
+        return out.reshape((-1,) + tuple(x.shape))
     if varies_over(x, axis):
         return lax.all_gather(x, axis, to="invarying")
     return lax.all_gather(x, axis)
+
+
+def weakly_typed(x):
+    """x typed as a weak-typed array of its dtype (as a Python scalar is, `lax.psum(1.0, ...)`'s
+    result too); the values are unchanged. JAX has no public API for it: this uses the private
+    `_convert_element_type(..., weak_type=True)` of `jax._src.lax.lax` (0.11 and 0.12), and
+    returns x as it is where that is missing."""
+    try:
+        from jax._src.lax import lax as lax_internal
+        return lax_internal._convert_element_type(x, x.dtype, weak_type=True)
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - a future JAX
+        return x
 
 
 def concrete_mesh():
@@ -80,5 +130,5 @@ def concrete_mesh():
     return mesh_lib.get_concrete_mesh()
 
 
-__all__ = ["varying_axes", "varies_over", "manual_axes", "to_varying", "all_gather_invariant",
-           "concrete_mesh"]
+__all__ = ["varying_axes", "varies_over", "unreduced_axes", "reduced_axes", "manual_axes",
+           "to_varying", "all_gather_invariant", "weakly_typed", "concrete_mesh"]

@@ -54,6 +54,16 @@ after it, `compensator.update_beside`, on a second GPU stream so that it can run
 matrix multiplication. Its residual takes y as returned (in x's dtype): the same bits as
 "in_call" for float32 x, on every transport.
 
+psum's contract (docs/design.md, "The psum contract"): `echo_psum` takes what `lax.psum` takes
+inside shard_map, vmap and pmap and returns psum's result type. Float leaves run the protocol
+above; bool and integer leaves are summed exactly by `lax.psum` (never quantized, no state); a
+tuple of axis names is one group, their product, ranks in `lax.axis_index(axes)` order (the
+"xla" transport: `lax.all_to_all` and the all-gather take the tuple; the custom calls find their
+rank and peers on one mesh axis, so "auto" picks "xla" for a tuple and "p2p" raises); a value not
+batched along a vmap axis is every rank's contribution; a Python float keeps its weak type.
+Refused with a message that names the fix: complex leaves, `axis_index_groups`, values typed
+unreduced or reduced (explicit sharding).
+
 Size gate: a contribution of fewer than `EchoConfig.min_bytes` bytes per rank (each array of a
 pytree decided on its own, statically from its shape and dtype) is summed by `lax.psum` instead,
 exactly and with psum's own semantics; its compensator state is returned unchanged.
@@ -74,7 +84,7 @@ from jax import lax
 
 from echo_jax import _compat
 from echo_jax import compensator as comp
-from echo_jax import transports
+from echo_jax import partial_manual, transports
 from echo_jax.config import EchoConfig
 # Re-exported: their homes are the transports (the wire layout, the kill switch, the reference).
 from echo_jax.transports import FORCE_XLA_ENV
@@ -85,7 +95,13 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(j
 
 
 def axis_size(axis_name, where: str = "echo_psum") -> int:
-    """Size of a bound mesh/vmap axis, or a ValueError that names the axis."""
+    """Size of a bound mesh/vmap axis (the product of the sizes for a tuple of axis names), or a
+    ValueError that names the axis."""
+    if isinstance(axis_name, (tuple, list)) and len(axis_name) != 1:
+        size = 1
+        for name in _axes(axis_name, where):
+            size *= axis_size(name, where)
+        return size
     name = _single_axis(axis_name, where)
     try:
         return lax.axis_size(name)
@@ -93,6 +109,50 @@ def axis_size(axis_name, where: str = "echo_psum") -> int:
         raise ValueError(
             f"{where}: axis name {name!r} is not bound here. Call it inside jax.shard_map over a "
             f"mesh with an axis {name!r}, or inside jax.vmap(..., axis_name={name!r}).") from None
+
+
+def _axes(axis_name, where="echo_psum") -> tuple:
+    """`axis_name` as a tuple of axis names (one name, or a tuple / list of them, as `lax.psum`
+    takes it), each checked; a ValueError that names the problem otherwise."""
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    for name in names:
+        if isinstance(name, (tuple, list)):
+            raise ValueError(f"{where}: axis_name must be an axis name or a flat tuple of them, "
+                             f"got {axis_name!r}")
+        _single_axis(name, where)
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: axis_name {axis_name!r} names an axis twice")
+    return names
+
+
+def _axis_arg(names: tuple):
+    """The axis argument the protocol runs with: the name itself for one axis (the custom
+    calls' form), the tuple for several (one group: their product, `lax.axis_index(names)`
+    order)."""
+    return names[0] if len(names) == 1 else names
+
+
+def _multi_axis_reason(axis) -> str | None:
+    """Why the custom calls cannot reduce over `axis` (None for one axis name): they find their
+    rank and peers on one mesh axis (`transports.cpu._coords`, the CUDA call's device ids)."""
+    if not isinstance(axis, tuple) or len(axis) < 2:
+        return None
+    return (f"the custom call reduces over one mesh axis, and axis_name={axis!r} names "
+            f"{len(axis)}. Use transport='auto' or 'xla' (the same bits: the pure-JAX "
+            "transport's all_to_all and all-gather run over the product group), or give the "
+            "mesh one axis for this group (e.g. reshape the devices so that the axes "
+            f"{axis!r} become one axis) and reduce over it")
+
+
+def _config_for_axes(config: EchoConfig, axis, where="echo_psum") -> EchoConfig:
+    """The config a call over `axis` runs with: for several axis names, transport "xla" (a
+    "p2p" request raises a ValueError that names the axes and the fix); config otherwise."""
+    reason = _multi_axis_reason(axis)
+    if reason is None or config.transport == "xla":
+        return config
+    if config.transport == "p2p":
+        raise ValueError(f"{where}: EchoConfig.transport='p2p' cannot run here: {reason}.")
+    return config.replace(transport="xla")
 
 
 def _single_axis(axis_name, where):
@@ -135,26 +195,52 @@ def resolve_transport(config: EchoConfig, axis=None, num_elements=None) -> str:
 
     Args:
       config: the call's EchoConfig.
-      axis: the axis to reduce over, if known.
+      axis: the axis to reduce over, if known: one name, or a tuple of names (the custom calls
+        reduce over one mesh axis, so a tuple of several gives "xla" under "auto").
       num_elements: elements of one rank's flat contribution, if known: "auto" then also checks
         the custom call's size limits (group size, ranks, segment length) and falls back to
         "xla" beyond them.
 
     Raises:
-      ValueError: config.transport == "p2p" but the custom call cannot run here (says why).
+      ValueError: config.transport == "p2p" but the custom call cannot run here (says why; for
+        a tuple of axis names, names them and the fix).
     """
+    if axis is not None:
+        names = _axes(axis, "resolve_transport")
+        axis = _axis_arg(names) if names else None
+        config = _config_for_axes(config, axis, "resolve_transport")
     return transports.resolve(config, axis, num_elements)
 
 
 #: The values of echo_psum's `rescale`.
 RESCALE_MODES = (False, True, "auto")
 
-#: rescale="auto" scales up only a contribution whose group-wide max |x| is below this (then the
-#: largest groups' fp16 scales would leave fp16's normal range, at 4 and 8 bits); from it up the
-#: factor is 1, the same bits as rescale=False. It never scales down: a huge value is NaN in its
-#: own group (loud, README "Failure behaviour"), while scaling the whole contribution down to fit
-#: it would flush every ordinary group to zero, silently.
+#: rescale="auto" scales up a contribution whose group-wide max |x| is below this, so that the
+#: smallest groups' fp16 scales do not leave fp16's normal range (at 4 and 8 bits).
 AUTO_RESCALE_BELOW = 2.0 ** -6
+
+#: log2 of the bound the rescaling keeps P * max |x * factor| below (times sqrt(g) with the
+#: rotation): 2^15, half of fp16's largest value (65504), so that no fp16 group scale or
+#: zero-point of the protocol overflows, in the reduce stage's sum of P copies either (a
+#: constant group sends its value as its scale; a 4-bit group spanning [-A, A] needs
+#: 2A / 15 <= 65504). rescale="auto" scales a contribution down from `auto_rescale_above` up.
+RESCALE_TOP_LOG2 = 15
+
+
+def _ceil_log2(n: int) -> int:
+    return max(int(n) - 1, 0).bit_length()
+
+
+def auto_rescale_above(num_ranks: int, headroom_log2: int = 0) -> float:
+    """The group-wide max |x| from which rescale="auto" (and True) scales a contribution down:
+    2^(RESCALE_TOP_LOG2 - ceil(log2 P) - headroom_log2), e.g. 8192 at P = 4 and 4096 at P = 8
+    without the rotation. Below it (down to AUTO_RESCALE_BELOW) "auto" leaves x unscaled.
+
+    Args:
+      num_ranks: P, the size of the reduced group.
+      headroom_log2: `rotation_headroom_log2(config)` (0 without the rotation).
+    """
+    return 2.0 ** (RESCALE_TOP_LOG2 - _ceil_log2(num_ranks) - int(headroom_log2))
 
 
 def check_rescale(rescale, where="echo_psum"):
@@ -174,32 +260,50 @@ def rotation_headroom_log2(config: EchoConfig) -> int:
     return (int(config.group_size).bit_length() - 1 + 1) // 2
 
 
-def rescale_factor(x, axis, mode=True, headroom_log2: int = 0):
+def rescale_factor(x, axis, mode=True, headroom_log2: int = 0, num_ranks: int | None = None):
     """Shared power-of-two factor of the rescaling (the Echo paper Sec. 5.4), f32 scalar.
 
-    One scalar `pmax` of max |x| across the group. mode True: 2^k so that the group-wide max
-    lands in [256, 512) / 2^headroom_log2; "auto": that factor only where the max is below
-    AUTO_RESCALE_BELOW, 1 from it up. 1 when the max is 0 or not finite. Multiplying and
-    dividing by it is exact.
+    One scalar `pmax` of the largest finite |x| across the group (NaN and +-inf are left out:
+    their groups are NaN whatever the factor, and the other groups still get theirs). With
+    T = `auto_rescale_above(P, headroom_log2)` (2^15 / P, rounded down to a power of two, and
+    2^headroom_log2 lower with the rotation): mode True scales the max into
+    [256, 512) / 2^headroom_log2, or into [T / 2, T) where that is lower (P > 64); "auto" scales
+    it the same way where it lies below AUTO_RESCALE_BELOW, into [T / 2, T) where it is T or
+    more, and gives 1 in between (the unscaled call). 1 when the max is 0. Multiplying and
+    dividing by it is exact (a normal power of two, 2^-126 .. 2^120).
 
     Args:
       x: this rank's values (any float dtype; the max is taken in it, no fp32 copy of x).
-      axis: the bound axis of the all-reduce.
+      axis: the bound axis of the all-reduce (or a tuple of axis names).
       mode: True or "auto".
       headroom_log2: aim this many powers of two lower (`rotation_headroom_log2`: the rotation
         can raise a group's max by up to sqrt(g), so a rotated call keeps its rotated values
-        below 512 too).
+        in range too).
+      num_ranks: P (default: the size of `axis`); the reduce stage sums P copies, so the bound
+        is P times lower.
     """
     # The factor is a constant of the derivative (a power of two chosen from the data): take it
     # from a stopped value, so that grad / jvp never differentiate the pmax (no rule for it).
     x = lax.stop_gradient(x)
-    local = jnp.max(jnp.abs(x)).astype(jnp.float32) if x.size else jnp.float32(0)
+    if x.size:
+        mag = jnp.abs(x)
+        local = jnp.max(jnp.where(jnp.isfinite(mag), mag, jnp.zeros((), mag.dtype)))
+        local = local.astype(jnp.float32)
+    else:
+        local = jnp.float32(0)
     amax = lax.pmax(local, axis)
-    _, e = jnp.frexp(amax)
-    k = jnp.clip(9 - int(headroom_log2) - e, -120, 120)
-    ok = jnp.isfinite(amax) & (amax > 0)
+    num_ranks = lax.axis_size(axis) if num_ranks is None else int(num_ranks)
+    top = RESCALE_TOP_LOG2 - _ceil_log2(num_ranks) - int(headroom_log2)
+    _, e = jnp.frexp(amax)  # amax in [2^(e-1), 2^e)
+    k_up = min(9 - int(headroom_log2), top) - e
+    k_down = top - e
     if mode == "auto":
-        ok = ok & (amax < jnp.float32(AUTO_RESCALE_BELOW))
+        k = jnp.where(amax < jnp.float32(AUTO_RESCALE_BELOW), k_up,
+                      jnp.where(amax >= jnp.float32(2.0 ** top), k_down, 0))
+    else:
+        k = k_up
+    k = jnp.clip(k, -126, 120)
+    ok = jnp.isfinite(amax) & (amax > 0)
     return jnp.where(ok, jnp.ldexp(jnp.float32(1), k), jnp.float32(1))
 
 
@@ -259,17 +363,86 @@ def fused_compensation(config: EchoConfig, rescale=False, transport=None) -> boo
     return config.rotation == "none" or fused_rotation(config, transport)
 
 
+def _check_sharding_type(x, axis, where="echo_psum"):
+    """A ValueError that names the type and the fix where x is typed unreduced or reduced (the
+    explicit-sharding types, `jax.typeof(x)` shows {U:...} / {R:...}): Echo's quantizer is not
+    linear, so it cannot run on a pending sum, and a reduced value is not a per-rank
+    contribution."""
+    names = set(axis) if isinstance(axis, tuple) else {axis}
+    unreduced, reduced = _compat.unreduced_axes(x), _compat.reduced_axes(x)
+    if unreduced:
+        mine = sorted(unreduced & names)
+        what = (f"over the reduced axes {mine}" if mine else
+                f"over mesh axes {sorted(unreduced)} (not reduced by this call)")
+        fix = ("make the partial sum a varying value instead (inside jax.shard_map, leave it as "
+               "the local computation produced it: no in_specs / out_sharding with "
+               "unreduced=..., no lax.pcast(..., to='unreduced')), or reduce it exactly with "
+               f"lax.psum(x, {axis!r})") if mine else (
+               f"reduce it over {sorted(unreduced)} first (lax.psum, or jax.reshard to a "
+               "sharding without unreduced=)")
+        raise ValueError(
+            f"{where}: x is typed unreduced {what} ({jax.typeof(x).str_short(True)}). Echo "
+            "quantizes each rank's contribution, which must be typed varying over the axis "
+            f"(JAX has no cast from unreduced to varying); {fix}.")
+    if reduced:
+        mine = sorted(reduced & names)
+        fix = (f"lax.psum refuses it too: a reduced value is the same on every rank of "
+               f"{mine}; sum it as a per-rank contribution after "
+               f"lax.pcast(x, {tuple(mine)!r}, to='varying')") if mine else (
+               f"cast it first with lax.pcast(x, {tuple(sorted(reduced))!r}, to='varying') (the "
+               "sum is then typed varying over those axes)")
+        raise ValueError(
+            f"{where}: x is typed reduced over mesh axes {sorted(reduced)} "
+            f"({jax.typeof(x).str_short(True)}), which echo_psum does not take; {fix}.")
+
+
+def _batched_over(x, axis):
+    """x as one value per rank along the axes of `axis` that are not manual shard_map axes
+    (vmap, pmap): a value not batched along a vmap axis (in_axes=None, a closed-over constant, a
+    Python scalar) is every rank's contribution, as in `lax.psum` (the sum is P * x), so it is
+    broadcast along the axis here (a select of x with itself, which XLA removes)."""
+    names = axis if isinstance(axis, tuple) else (axis,)
+    manual = _compat.manual_axes()
+    others = tuple(a for a in names if a not in manual)
+    if not others:
+        return x
+    index = lax.axis_index(others[0] if len(others) == 1 else others)
+    return jnp.where(index >= 0, x, x)
+
+
 def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
+    """One leaf of `echo_psum`: (its sum, its new state or None)."""
+    if comp.leaf_kind(x) == "exact":
+        # Exact: an integer sum has no rounding error to save, and counts, indices and the
+        # axis-size idiom psum(1, axis) must stay exact; psum's own result type (bool -> int32).
+        if state is not None:
+            raise ValueError(f"echo_psum: a {jnp.result_type(x)} leaf is summed exactly and "
+                             "takes no compensator state: put None at its place in the state "
+                             "pytree (init_state(x) does)")
+        return lax.psum(x, axis), None
+    weak = bool(getattr(jax.typeof(x), "weak_type", False))
+    x = jnp.asarray(x)
+    _check_sharding_type(x, axis)
+    if x.dtype in SUPPORTED_DTYPES:
+        y, state = _echo_float(x, state, axis, config, rescale)
+    else:
+        # float64 (jax_enable_x64) and the 8-bit floats: Echo's arithmetic is fp32 anyway.
+        if state is not None:
+            comp.check_state(state, x, config=config)
+        y, state = _echo_float(x.astype(jnp.float32), state, axis, config, rescale)
+        y = y.astype(x.dtype)
+    return (_compat.weakly_typed(y) if weak else y), state
+
+
+def _echo_float(x, state, axis, config: EchoConfig, rescale: bool):
     dtype = jnp.result_type(x)
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"echo_psum: dtype {dtype} is not supported; use float32, bfloat16 or "
-                         "float16 (cast integers or float64 first)")
     if state is not None:
         comp.check_state(state, x, config=config)
     num_ranks = axis_size(axis)
     if num_ranks == 1:
         return x, state
     x = _compat.to_varying(x, axis)  # psum semantics: an invariant x counts once per rank
+    x = _batched_over(x, axis)       # and so does an unbatched one under vmap
     if config.gated(int(jnp.size(x)) * dtype.itemsize):
         # Size gate: a small message is latency-bound, so the exact psum is the faster call.
         # Nothing was quantized, so there is no error to feed back: the state passes through.
@@ -287,11 +460,12 @@ def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
     jax_rotation = config.rotation == "hadamard" and not fused_rotation(config, transport)
     # The rescaling factor comes from x itself (before the apply step), on every path, so that
     # the fused call needs no fp32 copy of x' in XLA: x' differs from x by the small correction,
-    # far inside the headroom the factor leaves (max |x| * factor < 512, fp16 holds 65504 * Q).
+    # far inside the headroom the factor leaves (P * max |x| * factor < 2^15, half of fp16's
+    # largest value).
     # With the rotation it aims sqrt(g) lower (a rotated value is at most sqrt(g) max |x|) and
     # multiplies x before the rotation.
     factor = None if rescale is False else rescale_factor(
-        flat, axis, rescale, rotation_headroom_log2(config))
+        flat, axis, rescale, rotation_headroom_log2(config), num_ranks)
     # A transport with a fused call is a custom call: nothing around it needs fp32 (`direct`),
     # a fused rotation included.
     direct = not jax_rotation and transports.has_fused_compensation(transport)
@@ -417,49 +591,113 @@ def _applied_allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
 
 
 def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
-              rescale: bool | str = "auto"):
-    """Sum `x` over the mesh or vmap axis `axis_name` with the Echo 4/8-bit all-reduce.
+              rescale: bool | str = "auto", axis_index_groups=None, return_state=None):
+    """Sum `x` over the mesh or vmap axes `axis_name` with the Echo 4/8-bit all-reduce.
 
-    A drop-in for `lax.psum(x, axis_name)` inside `jax.shard_map` or `jax.vmap(...,
-    axis_name=...)`: every rank returns the same bits, in x's dtype. With `state` it runs the
-    compensated all-reduce of Algorithm 1 (the Echo paper Sec. 5.1).
+    A drop-in for `lax.psum(x, axis_name)` inside `jax.shard_map`, `jax.vmap(...,
+    axis_name=...)` and `jax.pmap`: it takes what psum takes there and returns psum's result
+    type (shape, dtype, weak type, varying mesh axes). Float leaves go through Echo (the Echo
+    paper Sec. 4; every rank returns the same bits, every element is quantized at most twice);
+    bool and integer leaves are summed exactly by `lax.psum` (bool -> int32, as psum does).
+    With `state` the float leaves run the compensated all-reduce of Algorithm 1 (Sec. 5.1).
+    docs/design.md ("The psum contract") has the table of what is exact, what is Echo and
+    what is refused.
 
     Args:
-      x: array or pytree of arrays (float32, bfloat16 or float16), this rank's contribution.
-      axis_name: the axis to reduce over (one name; other mesh axes are left alone).
+      x: an array, a Python / NumPy scalar, or a pytree of them: this rank's contribution.
+        float32, bfloat16 and float16 go into the protocol as they are; other floats (float64
+        with jax_enable_x64, the 8-bit floats) are summed in fp32 and rounded back to their
+        dtype. A Python float keeps its weak type, as in psum. Under vmap, a value not batched
+        along the axis (in_axes=None, a closed-over constant, a Python scalar) is every rank's
+        contribution (the sum is P * x, as psum's). Complex leaves raise a ValueError (use
+        lax.psum, or sum the real and imaginary parts as two float leaves); leaves typed
+        unreduced or reduced (explicit sharding) raise a ValueError that names the type and
+        the fix.
+      axis_name: the axis to reduce over, or a tuple of axis names: one Echo all-reduce over
+        their product group, ranks in `lax.axis_index(axis_name)` order (first name major).
+        Other mesh axes are left alone. A tuple of several names runs the "xla" transport (the
+        custom call reduces over one mesh axis: "auto" picks "xla", "p2p" raises).
       config: an `EchoConfig` (default: 4 bits, g = 128, zero-aware asym, transport "auto").
-      state: None (uncompensated), or a `CompensatorState` (a pytree of them for pytree x) from
-        `init_state(x)` or from the previous site.
+      state: None (uncompensated), or a `CompensatorState` (a pytree of them mirroring x, with
+        None at the leaves that take none: bool / integer leaves always, any float leaf to
+        leave it uncompensated) from `init_state(x)` or from the previous site.
       rescale: multiply by a shared power of two before quantizing and divide after (Sec. 5.4),
-        so tiny or huge magnitudes do not leave fp16's range of the group scales (the factor is
-        exact, and an operand of the custom call, so the fused compensated path stays fused).
-        "auto" (default): scales up only where the group-wide max |x| is below
-        AUTO_RESCALE_BELOW = 2^-6 (elsewhere the same bits as False; a huge value stays NaN in
-        its group rather than flushing the others to zero); True: always, to max |x| in
-        [256, 512); False: never (values below about 1e-5 lose precision silently, below 1e-12
-        all of it). "auto" and True cost one read of x (its max) and one scalar pmax a call
-        (README "Failure behaviour"). With `config.rotation="hadamard"` the factor aims
-        2^ceil(log2(g) / 2) lower (the rotation can raise a value by up to sqrt(g)) and
-        multiplies x before the rotation.
+        so that the fp16 group scales neither underflow nor overflow (the factor is exact, and
+        an operand of the custom call, so the fused compensated path stays fused). "auto"
+        (default): scales up where the group-wide max |x| is below AUTO_RESCALE_BELOW = 2^-6,
+        down where it is `auto_rescale_above(P)` = 2^15 / P (rounded down to a power of two:
+        8192 at P = 4) or more, and not at all in between (the bits of False). No finite
+        input then makes a group NaN, up to fp32's largest value (a sum beyond it is inf, as
+        psum's). The price of one shared factor: a group whose values are more than about 2^24
+        times smaller than the largest |x| of the call (at P = 4; 2^23 at P = 8) loses
+        precision gradually (fp16 subnormal scales), and one about 2^38 times smaller comes
+        back as zeros, where rescale=False would have made the largest group NaN. True:
+        always, to max |x| in [256, 512) (lower where P > 64). False: never (values below
+        about 1e-5 lose precision silently, below 1e-12 all of it; a group whose range, in x
+        or in the sum of the P contributions, passes 65504 * (2^bits - 1), about 9.8e5 at 4
+        bits and 1.7e7 at 8, or a constant group above 65504, comes back NaN: the fp16 group
+        scale overflows). "auto" and True cost one read of x (its max) and one scalar pmax a
+        call. With `config.rotation="hadamard"` the factor aims
+        2^ceil(log2(g) / 2) lower (the rotation can raise a value by up to sqrt(g)).
+        NaN and +-inf: the 4-bit wire format has no code for them and a group holding one
+        has no finite scale, so its g values of the sum are NaN on every rank (psum gives
+        +-inf there where the other ranks' values are finite); the other groups are
+        unaffected (they are left out of the rescaling's max too). Where an inf must survive
+        (e.g. an overflow check), sum the check exactly: echo_psum of an int or bool leaf is
+        lax.psum.
+      axis_index_groups: psum's argument; only None is supported (Echo reduces over whole
+        mesh axes): give the mesh an axis per group instead (e.g. split "tp" of size 8 into
+        ("tpo", "tpi") of sizes (2, 4) and reduce over "tpi"), or use lax.psum.
+      return_state: None (default): return y without `state`, (y, new_state) with it. True:
+        always (y, new_state), new_state None when `state` is None, so one call site serves a
+        compensated and an uncompensated configuration alike. False: always y (then `state`
+        must be None).
 
     Returns:
-      The sum, shaped and typed like x; with `state`, the pair (sum, new_state).
+      The sum, with psum's result type; (sum, new_state) with `state` or return_state=True.
+      The new state mirrors `state` (its leaves typed varying over x's varying axes and the
+      reduced axes, as `init_state(x, axis_name=...)` gives them, so it can be a `lax.scan` /
+      `fori_loop` carry inside a type-checked `jax.shard_map`).
+
+    Raises:
+      ValueError: an unbound or integer axis name, an unsupported dtype or sharding type, a
+        state that does not fit x, axis_index_groups, or transport "p2p" where it cannot run.
     """
     config = EchoConfig() if config is None else config
     if not isinstance(config, EchoConfig):
         raise ValueError(f"echo_psum: config must be an EchoConfig, got {type(config).__name__}")
-    axis = _single_axis(axis_name, "echo_psum")
+    if axis_index_groups is not None:
+        raise ValueError(
+            "echo_psum: axis_index_groups is not supported: the Echo protocol reduces over whole "
+            "mesh axes. Give the mesh one axis per group instead (e.g. split an axis 'tp' of "
+            "size 8 into ('tpo', 'tpi') of sizes (2, 4) and reduce over 'tpi'), or use "
+            "lax.psum(x, axis_name, axis_index_groups=...)")
+    if return_state not in (None, True, False):
+        raise ValueError(f"echo_psum: return_state must be None, True or False, got "
+                         f"{return_state!r}")
+    if return_state is False and state is not None:
+        raise ValueError("echo_psum: return_state=False with a state would drop the updated "
+                         "state; pass state=None, or return_state=True / None")
+    pair = state is not None if return_state is None else return_state
+    names = _axes(axis_name, "echo_psum")
+    if not names:  # psum over no axes is the identity
+        return (x, state) if pair else x
+    axis = _axis_arg(names)
     axis_size(axis)  # a clear error before tracing anything else
+    partial_manual.check(x, axis, "echo_psum")  # warns where XLA would gather x (gspmd)
+    config = _config_for_axes(config, axis)
     rescale = check_rescale(rescale)
     leaves, treedef = jax.tree.flatten(x)
     if state is None:
         ys = [_echo_leaf(leaf, None, axis, config, rescale)[0] for leaf in leaves]
-        return jax.tree.unflatten(treedef, ys)
+        y = jax.tree.unflatten(treedef, ys)
+        return (y, None) if pair else y
     try:
         states = treedef.flatten_up_to(state)
     except (ValueError, TypeError) as err:
         raise ValueError("echo_psum: state must mirror x's pytree with a CompensatorState per "
-                         f"array (use init_state(x)): {err}") from None
+                         "float array and None per bool / integer one (use init_state(x)): "
+                         f"{err}") from None
     pairs = [_echo_leaf(leaf, s, axis, config, rescale) for leaf, s in zip(leaves, states)]
     return (jax.tree.unflatten(treedef, [p[0] for p in pairs]),
             jax.tree.unflatten(treedef, [p[1] for p in pairs]))
@@ -467,6 +705,6 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
 
 __all__ = ["echo_psum", "xla_allreduce", "segment_layout", "resolve_transport",
            "fused_compensation", "fused_rotation", "power_of_two_scale", "rescale_factor",
-           "rotation_headroom_log2",
+           "rotation_headroom_log2", "auto_rescale_above",
            "check_rescale", "xla_allreduce_scaled", "RESCALE_MODES", "AUTO_RESCALE_BELOW",
-           "FORCE_XLA_ENV"]
+           "RESCALE_TOP_LOG2", "FORCE_XLA_ENV"]

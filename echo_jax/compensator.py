@@ -75,22 +75,75 @@ def state_dtype(config: EchoConfig | None = None, dtype=None):
     return jnp.dtype(jnp.float32)
 
 
-def init_state(x, config: EchoConfig | None = None, *, dtype=None) -> CompensatorState:
-    """Zero state for contributions shaped like `x` (an array, a ShapeDtypeStruct, or a pytree).
+def leaf_kind(leaf, where: str = "echo_psum") -> str:
+    """How `echo_psum` sums one leaf, and so whether `init_state` gives it a state: "exact"
+    (bool, integer: `lax.psum`, no state) or "echo" (a float dtype); a ValueError that names the
+    dtype and the fix for the others (complex).
 
     Args:
-      x: an array, a ShapeDtypeStruct or a pytree of them (only the shapes are used).
+      leaf: an array, a ShapeDtypeStruct or a Python / NumPy scalar.
+      where: the public function, for the message.
+    """
+    dtype = getattr(leaf, "dtype", None)
+    dtype = jnp.dtype(jnp.result_type(leaf) if dtype is None else dtype)
+    if dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer):
+        return "exact"
+    if jnp.issubdtype(dtype, jnp.floating):
+        return "echo"
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise ValueError(
+            f"{where}: dtype {dtype} is not supported: Echo quantizes each value to 4 or 8 bits "
+            "against a real group scale, which has no meaning for complex values. Use "
+            "lax.psum for them, or sum the real and imaginary parts as float arrays, "
+            "e.g. re, im = echo_psum((x.real, x.imag), axis); x = lax.complex(re, im)")
+    raise ValueError(f"{where}: dtype {dtype} is not supported; echo_psum sums floating-point "
+                     "leaves with Echo and bool / integer leaves exactly (lax.psum)")
+
+
+def init_state(x, config: EchoConfig | None = None, *, dtype=None, axis_name=None):
+    """Zero state for contributions shaped like `x` (an array, a ShapeDtypeStruct, or a pytree).
+
+    The state has the type `echo_psum` returns the new state in, so it can start a `lax.scan` /
+    `lax.fori_loop` carry of compensated calls inside `jax.shard_map` (with the default
+    `check_vma=True` as with False), under `jax.vmap` and outside both: inside a type-checked
+    shard_map m1 and m2 are typed varying over the manual axes x varies over (as
+    `jnp.zeros_like(x)` is) and those of `axis_name` (`lax.pcast(..., to="varying")`); elsewhere
+    nothing is typed. Code that cast the state to varying itself drops that cast: JAX refuses
+    `lax.pcast(..., to="varying")` of a value that varies over the axis already.
+
+    Args:
+      x: an array, a ShapeDtypeStruct, a Python scalar or a pytree of them (shapes, dtypes and
+        varying axes are used, not values).
       config: the EchoConfig of the sites the state will go through: m1, m2 are made in its
         `state_dtype`. None: float32 (or `dtype`).
       dtype: the state dtype ("float32" or "bfloat16"), instead of or agreeing with config's.
+      axis_name: the axis (or tuple of axes) the sites reduce over. Only needed inside a
+        type-checked shard_map where x is not typed varying over it already (a replicated x,
+        a ShapeDtypeStruct, a value made before the contribution): the new state
+        `echo_psum` returns varies over the reduced axes, and a scan carry must keep its type.
 
-    For a pytree the result is a pytree of the same structure with a `CompensatorState` at each
-    leaf, the form `echo_psum` takes for pytree inputs.
+    Returns:
+      A `CompensatorState(m1, m2)` of zeros for an array of a float dtype, None for a bool or
+      integer one (`echo_psum` sums those exactly, with no state); for a pytree, the same
+      structure with one of those at each leaf: the form `echo_psum` takes for pytree inputs.
+
+    Raises:
+      ValueError: a complex leaf (echo_psum refuses it too), or a bad config / dtype.
     """
     dt = state_dtype(config, dtype)
+    if axis_name is None:
+        axes = ()
+    else:
+        axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
     def one(leaf):
-        z = jnp.zeros(jnp.shape(leaf), dt)
+        if leaf_kind(leaf, "init_state") == "exact":
+            return None
+        try:
+            varying = _compat.varying_axes(leaf)
+        except TypeError:  # a ShapeDtypeStruct without a type JAX reads
+            varying = frozenset()
+        z = _compat.to_varying(jnp.zeros(jnp.shape(leaf), dt), tuple(varying) + axes)
         return CompensatorState(z, z)
 
     return jax.tree.map(one, x)
@@ -247,6 +300,6 @@ def check_state(state, x, where: str = "echo_psum", config: EchoConfig | None = 
                 f"{want.name!r}), got {jnp.result_type(arr)}; use init_state(x, config)")
 
 
-__all__ = ["CompensatorState", "init_state", "state_dtype", "Coefficients", "apply_correction",
-           "update_state", "update_beside", "update_stream", "UPDATE_STREAM_ENV",
-           "to_varying_state"]
+__all__ = ["CompensatorState", "init_state", "leaf_kind", "state_dtype", "Coefficients",
+           "apply_correction", "update_state", "update_beside", "update_stream",
+           "UPDATE_STREAM_ENV", "to_varying_state"]

@@ -46,7 +46,50 @@ def cuda_handlers():
     return p2p_cuda
 
 
+#: Worker processes of a parallel run at most: each holds a JAX runtime with 8 fake devices (about
+#: 1 GB), and the suite's files are few enough that more would mostly wait on the largest one.
+MAX_WORKERS = 4
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Runs the files on several worker processes (pytest-xdist, whole files per worker, so that a
+    file's module-scoped compiled programs are shared by its tests) unless `-n` was given, xdist
+    is not installed, or a GPU is present (one process holds the GPU: several would time-slice
+    its spinning kernels and each would preallocate most of its memory)."""
+    if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
+            or config.getoption("numprocesses", None) is not None
+            or config.getoption("collectonly", False) or has_gpu()):
+        return None
+    config.option.numprocesses = "auto"
+    config.option.dist = "loadfile"
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist, absent without it
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
+def _explicit_selection(config) -> bool:
+    """A `-m` expression, or a test named by id (file::test), selects the slow tests too."""
+    return bool(config.getoption("markexpr", "")) or any(
+        "::" in str(arg) for arg in config.args)
+
+
 def pytest_collection_modifyitems(config, items):
+    # grid(*ids): the cases of a parametrized test other than `ids` are slow.
+    for item in items:
+        grid = item.get_closest_marker("grid")
+        callspec = getattr(item, "callspec", None)
+        if grid is not None and callspec is not None and callspec.id not in grid.args:
+            item.add_marker(pytest.mark.slow)
+    # The fast set: the slow tests are deselected unless the selection is explicit.
+    if not _explicit_selection(config):
+        slow = [item for item in items if "slow" in item.keywords]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if "slow" not in item.keywords]
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
@@ -81,16 +124,13 @@ def compensated_sites(cfg, xs, rescale=False):
     from jax.sharding import PartitionSpec
     import echo_jax as ej
     from echo_jax import collective
-    from echo_jax import compensator as comp
 
     nranks, steps, n = xs.shape
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:nranks]), ("tp",))
 
     def body(x):
         assert collective.resolve_transport(cfg, "tp", n) == cfg.transport
-        s = ej.init_state(x[0, 0], cfg)
-        s = comp.CompensatorState(lax.pcast(s.m1, "tp", to="varying"),
-                                  lax.pcast(s.m2, "tp", to="varying"))
+        s = ej.init_state(x[0, 0], cfg)   # typed varying over "tp", as x[0, 0] is
         outs = []
         for i in range(steps):
             y, s = ej.echo_psum(x[0, i], "tp", config=cfg, state=s, rescale=rescale)

@@ -142,11 +142,14 @@ def test_a_module_the_runtime_refuses_falls_back_with_the_reason(monkeypatch):
     if minor > 0:  # older headers: XLA accepts them (a jaxlib 0.11.2 build runs under 0.12)
         assert p2p.build_mismatch({"jaxlib": "x", "xla_ffi_api": (major, minor - 1)}, "m") is None
     assert p2p.build_mismatch({"jaxlib": "x", "xla_ffi_api": (major + 1, 0)}, "m") is not None
+    from echo_jax import transports
     from echo_jax.transports import cpu
     monkeypatch.setattr(cpu, "build_info", lambda: newer)  # the CPU transport's own check
     reason = p2p.unavailable_reason("tp")
-    assert "jaxlib 99.0" in reason and "pip install -e ." in reason, reason
-    assert p2p.choose(ej.EchoConfig(transport="auto"), "tp") == "xla"
+    assert "jaxlib 99.0" in reason and "pip install --force-reinstall --no-deps -e ." in reason
+    with pytest.warns(transports.EchoFallbackWarning, match="rebuilt against its headers"):
+        transports.reset_fallback_warnings()
+        assert p2p.choose(ej.EchoConfig(transport="auto"), "tp") == "xla"
     with pytest.raises(ValueError, match="rebuilt against its headers"):
         p2p.choose(ej.EchoConfig(transport="p2p"), "tp")
 
@@ -271,6 +274,7 @@ def run_both(num_ranks, configs, inputs):
     return [np.asarray(v) for v in got], [np.asarray(v) for v in want]
 
 
+@pytest.mark.grid("3", "8")
 @pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
 def test_allreduce_matches_xla_bit_for_bit(num_ranks):
     """Every (bits, policy) and every odd size per P; the size and the input dtype rotate with P
@@ -331,6 +335,7 @@ def test_non_finite_and_fp16_overflow_match_reference():
 # Compensated call against apply_correction + xla_allreduce + update_state.
 # -------------------------------------------------------------------------------------------
 
+@pytest.mark.grid("3")
 @pytest.mark.parametrize("num_ranks", [2, 3, 4])
 def test_compensated_matches_reference(num_ranks):
     mesh = mesh_of((num_ranks,), ("tp",))
@@ -504,6 +509,7 @@ def half_inputs(seed, num_ranks, n, dtype):
         return np.asarray(jnp.asarray(x).astype(dtype))
 
 
+@pytest.mark.grid("3")
 @pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
 def test_16bit_contributions_enter_the_call_and_match_xla_bit_for_bit(num_ranks):
     """p2p_allreduce / p2p_allreduce_compensated take a bfloat16 or float16 x as it is and return
@@ -600,6 +606,7 @@ def _echo_psum_16bit(mesh, num_ranks, transport, compensated, x, m1, m2, cfg_kw,
     return fwd, jax.jit(jax.grad(loss))
 
 
+@pytest.mark.grid("bfloat16-compensated", "float16-plain")
 @pytest.mark.parametrize("compensated", [False, True], ids=["plain", "compensated"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=["bfloat16", "float16"])
 def test_echo_psum_16bit_custom_call_takes_and_returns_x_dtype(dtype, compensated):
@@ -656,7 +663,10 @@ def test_echo_psum_16bit_custom_call_takes_and_returns_x_dtype(dtype, compensate
     got, want = f_p2p(*args), f_xla(*args)
     assert np.asarray(got[0]).dtype == jnp.dtype(dtype)
     assert_same_bits16(got[0], want[0], "y")
-    assert not np.isfinite(np.asarray(got[0], np.float32)).all()  # special values in the slice
+    # Special values in the slice: fp16's sums past 65504 come back inf; bf16's 3e38 comes back
+    # finite (rescale="auto" scales the contribution down; rescale=False makes its group NaN).
+    assert (not np.isfinite(np.asarray(got[0], np.float32)).all()
+            or np.abs(np.asarray(x, np.float32)).max() > 1e38)
     if compensated:
         assert_same_bits(got[1], want[1], "m1")
         assert_same_bits(got[2], want[2], "m2")
