@@ -2,6 +2,7 @@
 
 Commands:
   demo   toy residual stack: per-site and accumulated all-reduce error per mode (Eq. 5, Eq. 6)
+  doctor the platform, the custom-call modules built, and which transport each axis size gets
 
 Each command is a subparser with a handler ``_cmd_<name>(args) -> exit status``; add a command by
 adding a ``_add_<name>`` function to `_COMMANDS`. The fake CPU devices of the demo are requested
@@ -12,6 +13,7 @@ starts, not at ``import jax``: the handler sets it before anything touches a dev
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -82,9 +84,48 @@ def _cmd_demo(args) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# doctor
+
+
+def _add_doctor(subparsers) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="what this install runs: the platform, the custom-call modules, the transport of "
+             "each axis size and why",
+        description=(
+            "Print the platform and its local devices, the versions of jax, jaxlib (with its XLA "
+            "FFI API) and flax, the custom-call modules built (echo_jax._ffi, "
+            "echo_jax._ffi_cuda: the jaxlib headers and XLA FFI API they were compiled against, "
+            "the CUDA architectures where the build records them, whether this jaxlib accepts "
+            "them), and for each axis size P which transport transport='auto' gives an "
+            "echo_psum over one mesh axis of the first P local devices, and why: the reason and "
+            "its fix are the text of the EchoFallbackWarning and of the transport='p2p' error. "
+            "Exit status 1 where some axis size falls back to 'xla' with that warning."))
+    p.add_argument("--axis-size", type=positive_int, nargs="+", default=None, metavar="P",
+                   help="the axis sizes to ask about (default: 2 up to the local devices, at "
+                        "most 8)")
+    p.add_argument("--json", metavar="OUT", nargs="?", const="-", default=None,
+                   help="print the findings as JSON instead of text (with a file name: write "
+                        "them there too, and print the text)")
+    p.set_defaults(handler=_cmd_doctor)
+
+
+def _cmd_doctor(args) -> int:
+    from echo_jax import doctor
+    record = doctor.collect(args.axis_size)
+    if args.json == "-":
+        print(json.dumps(record, indent=1))
+    else:
+        print(doctor.format_report(record))
+        if args.json:
+            write_json(args.json, record, indent=1)
+    return 1 if record["problems"] else 0
+
+
+# --------------------------------------------------------------------------------------------
 # entry point
 
-_COMMANDS = (_add_demo,)
+_COMMANDS = (_add_demo, _add_doctor)
 
 
 def _prog() -> str:

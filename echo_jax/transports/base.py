@@ -26,6 +26,10 @@ MAX_SEGMENT_ELEMS = 2 ** 31 - 1
 
 _PLATFORM_ALIASES = {"cuda": "cuda", "gpu": "cuda", "rocm": "rocm", "cpu": "cpu"}
 
+#: The install line that rebuilds the custom-call modules against the jaxlib installed now
+#: (run in the echo_jax source folder; --no-deps keeps that jaxlib).
+REINSTALL = "`pip install --force-reinstall --no-deps -e .` in the echo_jax source folder"
+
 
 def segment_layout(num_elements: int, num_ranks: int, group_size: int):
     """The wire layout of the Echo protocol: P segments of Gs whole groups each.
@@ -84,6 +88,16 @@ def current_platform(mesh=None) -> str:
     platform = getattr(device, "platform", None) if device is not None else None
     if not platform:
         platform = jax.default_backend()
+    return platform_name(platform)
+
+
+def platform_name(platform) -> str:
+    """A platform's name as `current_platform` gives it ("gpu" and "cuda" are "cuda").
+
+    Args:
+      platform: a platform name ("cpu", "gpu", "cuda", ...) or a jax Device.
+    """
+    platform = getattr(platform, "platform", platform)
     return _PLATFORM_ALIASES.get(str(platform).lower(), str(platform).lower())
 
 
@@ -105,6 +119,16 @@ def context_reason(axis_name=None) -> str | None:
     if jax.process_count() > 1:
         return (f"this run has {jax.process_count()} processes and the CPU custom call shares "
                 "host memory between the ranks of one process")
+    return trace_reason(axis_name)
+
+
+def trace_reason(axis_name=None) -> str | None:
+    """`context_reason` without the process count: why the trace here (outside `jax.shard_map`,
+    a vmap axis, mesh axes left automatic) rules a custom call out; None when it allows one.
+
+    Args:
+      axis_name: the axis to reduce over, if known; without it only the context is checked.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     manual = set(getattr(mesh, "manual_axes", ()) or ())
     if mesh.empty or not manual:
@@ -120,6 +144,21 @@ def context_reason(axis_name=None) -> str | None:
                 "the custom call over them; shard_map over every mesh axis of size > 1")
     return None
 
+
+
+def trace_or_processes(axis_name, devices, processes_why: str) -> tuple[str, str] | None:
+    """The custom calls' first checks, as `unavailable`'s (kind, sentence): the trace here
+    ("context", `trace_reason`; skipped where `devices` names the group instead of a trace),
+    then the process count ("processes": "this run has N processes" + `processes_why`, the
+    transport's reason that one process must hold every rank). None where both allow a call.
+    """
+    if devices is None:
+        reason = trace_reason(axis_name)
+        if reason is not None:
+            return ("context", reason)
+    if jax.process_count() > 1:
+        return ("processes", f"this run has {jax.process_count()} processes{processes_why}")
+    return None
 
 def limit_reason(config, num_elements: int, num_ranks: int, max_ranks: int) -> str | None:
     """Why a custom call's size limits rule this call out (None when it is within them).
@@ -192,10 +231,12 @@ def build_mismatch(info: dict, module: str) -> str | None:
     import jaxlib
     return (f"{module} was compiled against the XLA FFI headers of jaxlib {info['jaxlib']} "
             f"(FFI API {built[0]}.{built[1]}), which this jaxlib {jaxlib.__version__} (FFI API "
-            f"{runtime[0]}.{runtime[1]}) refuses; reinstall echo_jax (`pip install -e .`) with "
-            "this jaxlib installed, so that it is rebuilt against its headers")
+            f"{runtime[0]}.{runtime[1]}) refuses; reinstall echo_jax with this jaxlib installed, "
+            f"so that it is rebuilt against its headers: {REINSTALL}")
 
 
 __all__ = ["segment_layout", "typed_like_psum", "factor_operand", "current_platform", "on_gpu",
-           "context_reason", "limit_reason", "timeout_ms", "runtime_ffi_api", "build_mismatch",
+           "platform_name", "context_reason", "trace_reason", "trace_or_processes",
+           "limit_reason", "timeout_ms",
+           "runtime_ffi_api", "build_mismatch", "REINSTALL",
            "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "MAX_GROUP_SIZE", "MAX_SEGMENT_ELEMS"]

@@ -90,10 +90,10 @@ try:
     from echo_jax import _ffi
 except ImportError as _err:  # pragma: no cover - only without the compiled extension
     _ffi = None
-    _IMPORT_ERROR = f"the compiled extension echo_jax._ffi is missing ({_err}); reinstall with " \
-                    "`pip install -e .`"
+    #: Why `echo_jax._ffi` did not import (None when it did).
+    _import_error = str(_err)
 else:
-    _IMPORT_ERROR = None
+    _import_error = None
 
 #: The value of `EchoConfig.transport` that selects the custom calls.
 NAME = "p2p"
@@ -149,25 +149,55 @@ def fused_rotation(config: EchoConfig) -> bool:
     return g > 0 and g & (g - 1) == 0
 
 
+def module_reason() -> tuple[str, str] | None:
+    """Why the module echo_jax._ffi cannot serve a call, as (kind, sentence with the fix): it is
+    missing ("not_built") or the running jaxlib refuses it ("build_mismatch"); None when it is
+    built and accepted."""
+    if _ffi is None:
+        return ("not_built",
+                f"the compiled extension echo_jax._ffi is missing ({_import_error}): it is built "
+                "when echo_jax is installed from source (a C++17 compiler; CMake and nanobind "
+                f"come with the build); reinstall: {base.REINSTALL}")
+    mismatch = build_mismatch(build_info(), "echo_jax._ffi")
+    return None if mismatch is None else ("build_mismatch", mismatch)
+
+
+def unavailable(axis_name=None, platform=None, devices=None) -> tuple[str, str] | None:
+    """Why the CPU custom call cannot run, as (kind, sentence), or None when it can: the one
+    check behind `unavailable_reason` and `echo_jax.transports.availability` (which lists the
+    kinds).
+
+    Args:
+      axis_name: the axis to reduce over inside the trace here, if known.
+      platform: the platform the call runs on (default: the trace's, `base.current_platform`).
+      devices: instead of the trace, the devices of one mesh axis, for a call traced inside a
+        `jax.shard_map` manual over it (`python -m echo_jax doctor` asks so).
+    """
+    found = module_reason()
+    if found is not None:
+        return found
+    found = base.trace_or_processes(axis_name, devices, " and the CPU custom call shares host "
+                                    "memory between the ranks of one process")
+    if found is not None:
+        return found
+    if devices is not None and not 1 <= len(devices) <= MAX_RANKS:
+        return ("ranks", f"the CPU custom call takes 1..{MAX_RANKS} ranks, the axis has "
+                f"{len(devices)}")
+    platform = base.current_platform() if platform is None else base.platform_name(platform)
+    if platform not in available_platforms():
+        return ("platform", f"echo_jax._ffi has no handler for platform {platform!r} (it has "
+                f"{list(available_platforms())})")
+    return None
+
+
 def unavailable_reason(axis_name=None) -> str | None:
-    """Why the CPU custom call cannot run here (None when it can).
+    """Why the CPU custom call cannot run here (None when it can): `unavailable`'s sentence.
 
     Args:
       axis_name: the axis to reduce over, if known; without it only the context is checked.
     """
-    if _ffi is None:
-        return _IMPORT_ERROR
-    mismatch = build_mismatch(build_info(), "echo_jax._ffi")
-    if mismatch is not None:
-        return mismatch
-    reason = base.context_reason(axis_name)
-    if reason is not None:
-        return reason
-    platform = base.current_platform()
-    if platform not in available_platforms():
-        return (f"echo_jax._ffi has no handler for platform {platform!r} (it has "
-                f"{list(available_platforms())})")
-    return None
+    found = unavailable(axis_name)
+    return None if found is None else found[1]
 
 
 def limit_reason(config: EchoConfig, num_elements: int, num_ranks: int) -> str | None:
@@ -399,8 +429,9 @@ def registry_stats() -> dict:
     return dict(_ffi.registry_stats()) if _ffi is not None else {}
 
 
-__all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "allreduce_compensated",
-           "allreduce_applied", "fused_rotation", "FUSED_STATE_DTYPES",
+__all__ = ["NAME", "unavailable", "unavailable_reason", "module_reason", "limit_reason",
+           "allreduce", "allreduce_compensated", "allreduce_applied", "fused_rotation",
+           "FUSED_STATE_DTYPES",
            "available_platforms", "debug_absent_rank", "debug_failing_rank", "factor_operand",
            "build_info", "registry_stats", "POLICY_CODES", "TARGET", "TARGET_COMPENSATED",
            "TARGET_APPLIED",

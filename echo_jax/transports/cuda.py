@@ -22,6 +22,7 @@ store inside the kernels, the bits of `echo_jax.compensator`'s bfloat16 state.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import jax
@@ -75,11 +76,87 @@ def available() -> bool:
 
 def build_info() -> dict:
     """The XLA FFI headers echo_jax._ffi_cuda was compiled against (as the CPU transport's
-    `build_info()`); empty when the CUDA handlers are not built."""
+    `build_info()`), and the GPU architectures of its kernels under ARCHITECTURES_KEY where the
+    build records them; empty when the CUDA handlers are not built."""
     try:
         return dict(_module().build_info())
     except ImportError:
         return {}
+
+
+#: The key of `build_info()` that lists the GPU architectures compiled in (where the build
+#: records them; `python -m echo_jax doctor` says "unknown" otherwise).
+ARCHITECTURES_KEY = "cuda_architectures"
+
+#: What builds the CUDA handlers: the install compiles them only where it finds nvcc.
+BUILD_FIX = ("the install builds them only where it finds nvcc (a CUDA toolkit); put nvcc on the "
+             "PATH (or point CUDACXX at it) and reinstall: " + base.REINSTALL)
+
+
+def module_reason() -> tuple[str, str] | None:
+    """Why the module echo_jax._ffi_cuda cannot serve a call, as (kind, sentence with the fix):
+    it is not built or does not load ("not_built"), or the running jaxlib refuses it
+    ("build_mismatch"); None when it is built and accepted. Needs no GPU."""
+    try:
+        _module()
+    except ImportError as err:
+        return ("not_built", f"the CUDA handlers (echo_jax._ffi_cuda) are not built or do not "
+                f"load ({err}): {BUILD_FIX}")
+    mismatch = build_mismatch(build_info(), "echo_jax._ffi_cuda")
+    return None if mismatch is None else ("build_mismatch", mismatch)
+
+
+def _local_gpu_ordinal(device) -> int | None:
+    """The CUDA ordinal of a jax device that is a GPU of this process, else None."""
+    if device.platform != "gpu" or device.process_index != jax.process_index():
+        return None
+    return int(device.local_hardware_id)
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    """The CUDA driver library (libcuda), initialised; None where it cannot be loaded."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    return lib if lib.cuInit(0) == 0 else None
+
+
+@functools.lru_cache(maxsize=None)
+def can_access_peer(device: int, peer: int) -> bool | None:
+    """Whether GPU `device` can map the memory of GPU `peer` (CUDA ordinals of this process), as
+    the driver says (cuDeviceCanAccessPeer); None where the driver cannot be asked."""
+    lib = _driver()
+    if lib is None:
+        return None
+    handles = [ctypes.c_int(), ctypes.c_int()]
+    if any(lib.cuDeviceGet(ctypes.byref(h), int(o)) for h, o in zip(handles, (device, peer))):
+        return None
+    can = ctypes.c_int()
+    if lib.cuDeviceCanAccessPeer(ctypes.byref(can), handles[0], handles[1]):
+        return None
+    return bool(can.value)
+
+
+def peer_access_reason(groups) -> str | None:
+    """Why the GPUs of a group cannot reach each other's memory, which the custom call writes
+    into (None when every pair can, or the driver cannot be asked: the call checks it again).
+
+    Args:
+      groups: [groups, P] CUDA ordinals of the ranks of each group (`mesh_groups`).
+    """
+    for group in np.asarray(groups).reshape(-1, np.shape(groups)[-1]):
+        for a in group:
+            for b in group:
+                if a != b and can_access_peer(int(a), int(b)) is False:
+                    return (f"GPU {int(a)} has no peer access to GPU {int(b)} "
+                            "(cuDeviceCanAccessPeer), and the CUDA custom call writes into its "
+                            "peers' memory: reduce over GPUs that have it (NVLink, or PCIe "
+                            "under one switch; `nvidia-smi topo -p2p r` lists them), or check "
+                            "that the IOMMU / ACS settings or the container do not block "
+                            "peer-to-peer")
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,10 +275,9 @@ def mesh_groups(axis, num_ranks: int) -> np.ndarray | None:
     mesh = _compat.concrete_mesh()  # the concrete mesh of jax.set_mesh
     if mesh is None or not mesh.shape or axis not in mesh.axis_names:
         return None
-    devices = mesh.devices
-    if any(d.platform != "gpu" or d.process_index != jax.process_index() for d in devices.flat):
+    ordinals = np.vectorize(_local_gpu_ordinal, otypes=[object])(mesh.devices)
+    if any(o is None for o in ordinals.flat):
         return None
-    ordinals = np.vectorize(lambda d: d.local_hardware_id)(devices)
     ordinals = np.moveaxis(ordinals, mesh.axis_names.index(axis), -1).reshape(-1, num_ranks)
     return ordinals.astype(np.int64)
 
@@ -240,32 +316,68 @@ def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None, fact
     return y, comp.CompensatorState(m1, m2)
 
 
+def unavailable(axis_name=None, platform=None, devices=None) -> tuple[str, str] | None:
+    """Why the CUDA custom call cannot run, as (kind, sentence with the fix), or None when it
+    can: the one check behind `unavailable_reason` and `echo_jax.transports.availability`
+    (which lists the kinds). In order: the trace ("context": outside shard_map, a vmap axis),
+    the process count ("processes"), the module (`module_reason`), then the group: at most
+    MAX_RANKS ranks ("ranks"), every rank a GPU of this process in the concrete mesh ("mesh"),
+    peer access between them ("peer_access").
+
+    Args:
+      axis_name: the axis to reduce over inside the trace here, if known.
+      platform: unused (the caller chose this transport for an NVIDIA GPU platform).
+      devices: instead of the trace, the devices of one mesh axis, for a call traced inside a
+        `jax.shard_map` manual over it, under `jax.set_mesh` (`python -m echo_jax doctor`).
+    """
+    del platform
+    found = base.trace_or_processes(
+        axis_name, devices, ", and the CUDA custom call finds the peers of a rank among the GPUs "
+        "of its own process: run one process that holds every GPU of the mesh (no "
+        "jax.distributed), or use transport='xla' (or lax.psum) across processes")
+    if found is not None:
+        return found
+    found = module_reason()
+    if found is not None:
+        return found
+    if devices is None and axis_name is None:
+        return None
+    if devices is None:
+        size = jax.sharding.get_abstract_mesh().shape[axis_name]
+    else:
+        size = len(devices)
+    if not 1 <= size <= MAX_RANKS:
+        return ("ranks", f"the CUDA custom call takes 1..{MAX_RANKS} ranks, the axis has {size}: "
+                f"reduce over a mesh axis of at most {MAX_RANKS} GPUs")
+    if devices is None:
+        groups = mesh_groups(axis_name, size)
+    else:
+        ordinals = [_local_gpu_ordinal(d) for d in devices]
+        groups = None if None in ordinals else np.asarray([ordinals], np.int64)
+    if groups is None:
+        return ("mesh", "the CUDA custom call finds the GPUs of each group in the concrete mesh, "
+                "and every device of it must be a GPU of this process: call it under "
+                "`with jax.set_mesh(mesh):` (a mesh passed to jax.shard_map alone is not "
+                "enough)")
+    reason = peer_access_reason(groups)
+    return None if reason is None else ("peer_access", reason)
+
+
 def unavailable_reason(axis_name=None) -> str | None:
-    """Why the CUDA custom call cannot run here (None when it can).
+    """Why the CUDA custom call cannot run here (None when it can): `unavailable`'s sentence,
+    and that the call runs on NVIDIA GPUs only.
 
     Args:
       axis_name: the axis to reduce over, if known; with it the group size and the concrete
         mesh are checked too.
     """
-    reason = base.context_reason(axis_name)
+    reason = base.trace_reason(axis_name)
     if reason is not None:
         return reason
     if not base.on_gpu():
         return f"the CUDA custom call runs on NVIDIA GPUs, this call on {base.current_platform()!r}"
-    if not available():
-        return "the CUDA handlers (echo_jax._ffi_cuda) are not built: install where nvcc is found"
-    mismatch = build_mismatch(build_info(), "echo_jax._ffi_cuda")
-    if mismatch is not None:
-        return mismatch
-    if axis_name is None:
-        return None
-    size = jax.sharding.get_abstract_mesh().shape[axis_name]
-    if size > MAX_RANKS:
-        return f"the CUDA custom call takes at most {MAX_RANKS} ranks, axis has {size}"
-    if mesh_groups(axis_name, size) is None:
-        return ("the CUDA custom call needs the concrete mesh of local GPUs: call it under "
-                "`with jax.set_mesh(mesh):`")
-    return None
+    found = unavailable(axis_name)
+    return None if found is None else found[1]
 
 
 def limit_reason(config: EchoConfig, num_elements: int, num_ranks: int) -> str | None:
@@ -307,8 +419,9 @@ def allreduce_applied(x_flat, m1_flat, m2_flat, axis, num_ranks: int, config: Ec
     return base.typed_like_psum(y, axis, x_flat, m1_flat, m2_flat)
 
 
-__all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "allreduce_compensated",
-           "allreduce_applied",
+__all__ = ["NAME", "unavailable", "unavailable_reason", "module_reason", "peer_access_reason",
+           "can_access_peer", "ARCHITECTURES_KEY", "BUILD_FIX", "limit_reason", "allreduce",
+           "allreduce_compensated", "allreduce_applied",
            "fused_rotation", "MAX_ROTATED_GROUP", "FUSED_STATE_DTYPES", "available", "build_info",
            "register",
            "quantize", "dequantize", "virtual_allreduce",
