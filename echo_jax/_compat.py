@@ -1,9 +1,9 @@
 """The one place where echo_jax meets JAX APIs that differ between the JAX versions it supports.
 
-Tested with jax / jaxlib 0.11.2 (constraints.txt, the GPU machine) and 0.12.0.1
-(constraints-latest.txt); pyproject.toml accepts that range. Everything else in the package uses
-these helpers instead of reaching into `jax._src` or a version's attribute names, so a new JAX
-release needs changes here only. Both versions need the same code today: there are no version
+Tested with jax / jaxlib 0.11.2 (constraints.txt, the versions of the GPU measurements) and
+0.12.0.1 (constraints-latest.txt); pyproject.toml accepts that range. Everything else in the
+package uses these helpers instead of reaching into `jax._src` or a version's attribute names, so
+a new JAX release needs changes here only. Both versions need the same code today: there are no version
 checks, only the APIs that work in both.
 
 Varying-manual-axes typing (`jax.shard_map` with its default `check_vma=True`): every value

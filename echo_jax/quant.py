@@ -64,7 +64,9 @@ A group with any NaN or +-inf, or whose scale or zero-point does not fit fp16 (|
 never silent finite garbage. Scales below fp16's normal range are kept as fp16 subnormals (rounded
 up, so still no clipping); the backward pass of `echo_jax.tp` rescales gradients by a power of two
 (the Echo paper Sec. 5.4) so that they do not get there, and `echo_psum`'s default
-``rescale="auto"`` does the same for any contribution whose max |x| is below 2^-6.
+``rescale="auto"`` does the same for any contribution whose max |x| is below 2^-6, and scales a
+contribution down by a power of two once its max |x| reaches ``collective.auto_rescale_above(P)``
+(8192 at P = 4), so that no finite input overflows the fp16 scales.
 
 Error bounds (finite groups): |x_hat - x| <= s/2 for every policy, plus the fp32 rounding of
 (x - m) * r. Inside the grid this is rounding to the nearest code. At the ends, the grid

@@ -111,7 +111,9 @@ def test_readme_usage_example_runs():
     exec(compile(code, "README.md#usage", "exec"), scope)
     import numpy as np
     np.testing.assert_allclose(np.asarray(scope["y"]), 4.0, rtol=0, atol=0.05)
-    assert scope["m"].shape == (4, 2, 1024)
+    ys = np.asarray(scope["ys"])
+    assert ys.shape == (8, 1024)
+    np.testing.assert_allclose(ys, np.repeat(4.0 * np.arange(1, 9)[:, None], 1024, 1), rtol=0.02)
 
 
 def test_results_readme_names_every_file():

@@ -22,6 +22,9 @@ import pytest
 from mutants import ENV, MUTANTS
 
 REPO = Path(__file__).resolve().parents[1]
+#: The mutation check runs with the slow set (`pytest -m slow`; CI runs both sets).
+pytestmark = pytest.mark.slow
+
 #: Mutant runs at a time (each is one single-threaded-ish pytest process; CI has 2 cores).
 WORKERS = max(1, min(2, os.cpu_count() or 1))
 
@@ -31,8 +34,9 @@ def run_killers(name):
     env[ENV] = name
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"),
                                                       env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "mutants", "-p",
-           "no:cacheprovider", *MUTANTS[name][2]]
+    # One process (the mutant is applied in this one), every killer, slow or not.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:xdist", "-m", "slow or not slow",
+           "-p", "mutants", "-p", "no:cacheprovider", *MUTANTS[name][2]]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -49,6 +49,7 @@ MUTANTS = {
 }
 
 
+@pytest.mark.slow   # the mutation check of the host check: with the slow set
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_the_check_rejects_a_broken_exchange(tmp_path, mutant):
     r = run_check(mutated_headers(tmp_path, *MUTANTS[mutant]), tmp_path, sets="4")

@@ -260,7 +260,8 @@ def test_generic_kernels_in_a_subprocess(cuda):
     # This process holds most of the GPU's memory (JAX preallocates): the child allocates on use.
     env = dict(os.environ, ECHO_JAX_GENERIC_QUANT="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:xdist", "-p", "no:cacheprovider",
+         __file__,
          "-k", "adversarial and (g32 or g1024) and (f32 or bf16) and not generic"],
         env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -38,6 +38,7 @@ def sylvester(g):
 # The transform
 
 
+@pytest.mark.grid("3-128", "17-32")
 @pytest.mark.parametrize("g", [32, 64, 128, 256])
 @pytest.mark.parametrize("blocks", [1, 3, 17])
 def test_roundtrip_orthogonality_and_definition(g, blocks):
@@ -151,6 +152,7 @@ def some_state(x):
     return ej.CompensatorState(0.1 * x32, -0.05 * x32)
 
 
+@pytest.mark.grid("2-4-1000-float32")
 @pytest.mark.parametrize("nranks,bits,n,dtype", [
     (2, 4, 1000, jnp.float32), (4, 4, 4097, jnp.bfloat16), (8, 4, 1000, jnp.bfloat16),
     (2, 8, 4097, jnp.bfloat16), (4, 8, 1000, jnp.float32), (8, 8, 4097, jnp.float32),

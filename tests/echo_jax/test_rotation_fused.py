@@ -136,6 +136,8 @@ CASES = [
 ]
 
 
+@pytest.mark.grid("P3-4b-sym-bfloat16-g32-n45-nonfinite", "P8-4b-asym-bfloat16-g1024-n3000-zeros",
+                  "P4-8b-asym_naive-float16-g128-n100-plain")
 @needs_call
 @pytest.mark.parametrize("nranks,bits,policy,dtype,g,n,kind", CASES, ids=[
     f"P{c[0]}-{c[1]}b-{c[2]}-{jnp.dtype(c[3]).name}-g{c[4]}-n{c[5]}-{c[6]}" for c in CASES])
@@ -207,6 +209,7 @@ def test_compiled_program_holds_only_the_call(dtype):
         assert op not in hlo
 
 
+@pytest.mark.grid("True-bfloat16-4", "auto-float32-8")
 @needs_call
 @pytest.mark.parametrize("rescale,dtype,bits", [(True, jnp.float32, 8), ("auto", jnp.float32, 8),
                                                 (True, jnp.bfloat16, 4), ("auto", jnp.float16, 4)])

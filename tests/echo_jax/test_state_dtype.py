@@ -149,6 +149,7 @@ def test_bf16_round_reference_is_round_to_nearest_even():
     assert bf16_round(np.array([1.0 + 3 * 2 ** -8], F32))[0] == 1.0 + 2 ** -6  # tie -> even (up)
 
 
+@pytest.mark.grid("bfloat16-3")
 @pytest.mark.parametrize("nranks", [2, 3, 4])
 @pytest.mark.parametrize("xdtype", [jnp.float32, jnp.bfloat16])
 def test_one_call_equals_fp32_algorithm_1_with_the_stored_state_rounded(nranks, xdtype):
@@ -215,6 +216,7 @@ def test_float32_state_is_unchanged():
 # transports
 
 
+@pytest.mark.grid("4-bfloat16-none", "3-float16-hadamard")
 @pytest.mark.parametrize("nranks,xdtype,rotation", [
     (2, jnp.float32, "none"), (4, jnp.float32, "none"), (2, jnp.bfloat16, "none"),
     (4, jnp.bfloat16, "none"), (3, jnp.float16, "hadamard"), (4, jnp.float32, "hadamard")])
@@ -285,6 +287,7 @@ def test_tp_sites_keep_the_dtype_through_grad():
     assert float(jnp.abs(gstate.m1.astype(jnp.float32)).max()) > 0    # the live backward state
 
 
+@pytest.mark.slow
 def test_models_thread_a_bf16_state():
     from models import config as C
     from models import model as M

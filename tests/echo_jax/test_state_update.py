@@ -141,6 +141,7 @@ def test_update_beside_is_the_in_call_update_for_float32():
 # the CPU custom call's applied target == the xla transport
 
 
+@pytest.mark.grid("3-bfloat16-float32-none-4-asym-False", "2-float32-bfloat16-hadamard-8-asym-True")
 @pytest.mark.parametrize("nranks,xdtype,state_dtype,rotation,bits_,policy,rescale", [
     (2, jnp.float32, "float32", "none", 4, "asym", False),
     (4, jnp.float32, "float32", "none", 8, "sym", "auto"),
@@ -246,6 +247,7 @@ def test_a_scan_over_sites_and_grad_match_in_call_for_float32():
     assert float(jnp.abs(got[2].m1).max()) > 0
 
 
+@pytest.mark.grid("bfloat16")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_model_training_step_through_the_cli_flag(dtype):
     """`--state-update separate` reaches every site of a model: a tiny model's loss and gradient

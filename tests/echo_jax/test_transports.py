@@ -251,6 +251,7 @@ def _python(code):
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_every_module_imports_alone():
     modules = _modules()
     assert {"echo_jax.collective", "echo_jax.p2p", "echo_jax.p2p_cuda", "echo_jax.policies",

@@ -64,6 +64,7 @@ def test_background_load_runs_at_its_duty_cycle():
     assert bg.copies == 0
 
 
+@pytest.mark.slow
 def test_e2e_tiny(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     rc = bench_e2e.main(["--preset", "tiny", "--tp", "2", "--batch", "1", "--seq", "8",

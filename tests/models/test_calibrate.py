@@ -173,6 +173,7 @@ def test_comm_flags_with_site_bits(tmp_path):
 # the model under a policy
 
 
+@pytest.mark.slow
 def test_uniform_policy_equals_uniform_config_bit_for_bit(tiny4, data):
     x, _ = data
     want = M.apply_simulated(tiny4, x, TINY, C.CommConfig(tp=4, echo=E4))
@@ -186,6 +187,7 @@ def test_uniform_policy_equals_uniform_config_bit_for_bit(tiny4, data):
               M.apply_simulated(tiny4, x, TINY, C.CommConfig(tp=4)), "exact")
 
 
+@pytest.mark.slow
 def test_early_8bit_policy_equals_the_flag_bit_for_bit(tiny4, data):
     x, y = data
     flag = C.CommConfig(tp=4, echo=E4, early_8bit=True)
@@ -198,6 +200,7 @@ def test_early_8bit_policy_equals_the_flag_bit_for_bit(tiny4, data):
               M.loss_and_grad_simulated(tiny4, x, y, TINY, flag), "loss and grads")
 
 
+@pytest.mark.slow
 def test_simulation_matches_shard_map_under_a_mixed_policy(data):
     """Mixed bits, group sizes, rotation and an exact site, separate backward table: the vmap
     simulation equals shard_map bit for bit (logits, loss, every gradient). In bf16 the exact branch of the
@@ -337,6 +340,7 @@ TEXT = ("Shall I compare thee to a summer's day? Thou art more lovely and more t
         "a date. ") * 6
 
 
+@pytest.mark.grid("proxy")
 @pytest.mark.parametrize("method", ["measure", "proxy"])
 def test_calibrate_cli_writes_a_policy_within_budget(tmp_path, method):
     text = tmp_path / "calib.txt"

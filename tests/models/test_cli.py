@@ -325,6 +325,7 @@ def smollm2_gguf():
     return path
 
 
+@pytest.mark.slow
 def test_eval_smollm2_gguf_exact_and_4bit(smollm2_gguf, tmp_path):
     text = tmp_path / "english.txt"
     text.write_text(ENGLISH)

@@ -57,6 +57,7 @@ def test_help_exits_zero(capsys):
     assert "--max-tokens" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_inference_writes_every_row(text_file, tmp_path):
     assert X.main(["inference", *common(text_file, tmp_path)]) == 0
     out = tmp_path / "accuracy_inference_random-tiny.json"
@@ -97,6 +98,7 @@ def test_inference_named_extra_rows(text_file, tmp_path):
     assert by["4bit-comp-separate"]["perplexity"] == by["4bit-comp"]["perplexity"]
 
 
+@pytest.mark.slow
 def test_beyond_rows_pareto_and_calibrated_policy(text_file, tmp_path):
     argv = common(text_file, tmp_path, "--name", "smoke", "--configs", "4g64", "4g128-sym",
                   "4g64-h", "calib-4.5", "calib-4.5-h-proxy", "--calib-text", str(text_file),
@@ -205,6 +207,7 @@ def test_error_process_writes_per_site_arrays(text_file, tmp_path):
     assert "theorem1_factor" in last and "eq21_factor" in last and "token_ratio_median" in last
 
 
+@pytest.mark.slow
 def test_instrumented_forward_equals_the_model():
     tp = 3
     cfg = get_config("tiny")
@@ -466,6 +469,7 @@ def _reference_instrumented_forward(params, tokens, model_cfg, comm, hook=None, 
     return hn, logits, resid, per_site
 
 
+@pytest.mark.grid("4bit-comp")
 @pytest.mark.parametrize("key", ["exact", "4bit-none", "4bit-comp"])
 def test_site_tap_equals_the_old_instrumented_forward(key):
     """`measure_sites` (the model's own forward pass, read through its site tap) gives the

@@ -134,6 +134,7 @@ def test_shard_unshard_round_trip(cfg):
 # exact TP == unsharded reference
 
 
+@pytest.mark.grid("cfg2-3")
 @pytest.mark.parametrize("cfg,tp", [(TINY, 2), (TINY, 4), (LLAMA, 3)])
 def test_exact_tp_equals_unsharded_reference(cfg, tp, data):
     x, y = data
@@ -177,6 +178,7 @@ def assert_same_bits(got, want, what=""):
         np.testing.assert_array_equal(bits(g), bits(w), err_msg=what + jax.tree_util.keystr(path))
 
 
+@pytest.mark.grid("P2-echo4")
 @pytest.mark.parametrize("cfg,tp,echo,remat", [
     (TINY, 2, None, False), (TINY, 2, ECHO4, False), (TINY, 4, None, False),
     (TINY, 4, ECHO4, False), (LLAMA.replace(dtype="bfloat16", name="tiny-llama-bf16"), 4, None,
