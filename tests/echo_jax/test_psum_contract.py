@@ -207,6 +207,16 @@ def test_python_float_keeps_its_weak_type():
     assert jax.typeof(y).weak_type and np.allclose(np.asarray(y), 10.0, rtol=2 ** -8)
 
 
+def test_no_axes_returns_x_as_psum_does():
+    """psum over an empty tuple of axes is the identity: so is echo_psum's, for every leaf."""
+    x = {"f": jnp.linspace(-1.0, 1.0, 7, dtype=jnp.float32), "i": jnp.arange(3)}
+    got = jax.jit(lambda t: ej.echo_psum(t, ()))(x)
+    want = jax.jit(lambda t: lax.psum(t, ()))(x)
+    assert_same_type(got, want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(bits(g), bits(w))
+
+
 # --- refused: axis_index_groups, complex, unreduced / reduced --------------------------------
 
 def test_axis_index_groups_and_complex_are_refused_with_the_fix():
