@@ -110,12 +110,17 @@ def _straight_through_fused():
            ("lax.psum(t, axis).astype(y.dtype)", "t.astype(y.dtype)"))
 
 
-def _swapped_backward_choice():
+def _mutate_backward_site(old, new):
+    """Mutates the backward TP site's cotangent rule (one replacement) and re-registers it."""
     from echo_jax import tp
-    bwd = mutate(tp, "_backward_site_bwd",
-                 ("_reduce_switch(ct_x, axis, config, choice,",
-                  "_reduce_switch(ct_x, axis, config, None if choice is None else 1 - choice,"))
+    bwd = mutate(tp, "_backward_site_bwd", (old, new))
     tp._backward_site.defvjp(tp._backward_site_fwd, bwd)
+
+
+def _swapped_backward_choice():
+    _mutate_backward_site(
+        "_reduce_switch(ct_x, axis, config, choice,",
+        "_reduce_switch(ct_x, axis, config, None if choice is None else 1 - choice,")
 
 
 def _pytree_later_leaves_uncompensated():
@@ -181,11 +186,8 @@ def _p2p_transient_ulp():
 
 
 def _backward_cotangent_unscaled():
-    from echo_jax import tp
-    bwd = mutate(tp, "_backward_site_bwd",
-                 ("_reduce_switch(ct_x, axis, config, choice, live_state, rescale,",
-                  "_reduce_switch(ct_x, axis, config, choice, live_state, False,"))
-    tp._backward_site.defvjp(tp._backward_site_fwd, bwd)
+    _mutate_backward_site("_reduce_switch(ct_x, axis, config, choice, live_state, rescale,",
+                          "_reduce_switch(ct_x, axis, config, choice, live_state, False,")
 
 
 def _greedy_by_absolute_gain():
