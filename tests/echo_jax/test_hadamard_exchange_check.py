@@ -21,6 +21,7 @@ def run_check(include_dir, tmp_path, sets="8"):
                          flags=("-pthread",))
 
 
+@pytest.mark.slow   # a host build of the CUDA device functions, run on 8 threads
 def test_half_exchanges_give_the_reference_bits(tmp_path):
     r = run_check(ROOT / "ffi", tmp_path)
     assert r.returncode == 0 and "mismatches: 0" in r.stdout, r.stdout

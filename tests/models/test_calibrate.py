@@ -220,6 +220,7 @@ def test_simulation_matches_shard_map_under_a_mixed_policy(data):
               M.loss_and_grad_sharded(st, x, y, cfg, comm, mesh), "loss and grads")
 
 
+@pytest.mark.slow   # p2p == xla bit for bit is in the library's fast set (test_p2p_cpu.py)
 def test_p2p_equals_xla_under_a_mixed_policy(data):
     """The custom call inside the per-site switch: the same bits as the pure-JAX transport
     (shard_map; logits, loss and gradients, i.e. forward and backward sites), the same logits
