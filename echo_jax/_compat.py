@@ -40,6 +40,11 @@ def varying_axes(x) -> frozenset:
     return frozenset(mat.varying) if mat is not None else frozenset()
 
 
+def axis_names(axis_name) -> tuple:
+    """`axis_name` as `lax.psum` takes it (one name, or a tuple / list of names) as a tuple."""
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
 def varies_over(x, axis) -> bool:
     """Whether x is typed as varying over a shard_map axis, or over every axis of a tuple of
     them (never true for a vmap axis)."""
@@ -130,5 +135,5 @@ def concrete_mesh():
     return mesh_lib.get_concrete_mesh()
 
 
-__all__ = ["varying_axes", "varies_over", "unreduced_axes", "reduced_axes", "manual_axes",
-           "to_varying", "all_gather_invariant", "weakly_typed", "concrete_mesh"]
+__all__ = ["axis_names", "varying_axes", "varies_over", "unreduced_axes", "reduced_axes",
+           "manual_axes", "to_varying", "all_gather_invariant", "weakly_typed", "concrete_mesh"]

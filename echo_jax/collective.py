@@ -114,7 +114,7 @@ def axis_size(axis_name, where: str = "echo_psum") -> int:
 def _axes(axis_name, where="echo_psum") -> tuple:
     """`axis_name` as a tuple of axis names (one name, or a tuple / list of them, as `lax.psum`
     takes it), each checked; a ValueError that names the problem otherwise."""
-    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    names = _compat.axis_names(axis_name)
     for name in names:
         if isinstance(name, (tuple, list)):
             raise ValueError(f"{where}: axis_name must be an axis name or a flat tuple of them, "

@@ -131,10 +131,7 @@ def init_state(x, config: EchoConfig | None = None, *, dtype=None, axis_name=Non
       ValueError: a complex leaf (echo_psum refuses it too), or a bad config / dtype.
     """
     dt = state_dtype(config, dtype)
-    if axis_name is None:
-        axes = ()
-    else:
-        axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    axes = () if axis_name is None else _compat.axis_names(axis_name)
 
     def one(leaf):
         if leaf_kind(leaf, "init_state") == "exact":
