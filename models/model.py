@@ -25,7 +25,11 @@ Each block (attention, MLP) starts with `tp.backward_site` (f: identity forward,
 the cotangent backward) after its norm and ends with `tp.forward_site` (g: all-reduce forward,
 identity backward), so a layer has 2 forward and 2 backward sites. f sits after the norm, so the
 norm's backward sees the full (reduced) cotangent and its weights get identical gradients on
-every rank.
+every rank. The Flax layers (`echo_jax.flax.linen.ColumnParallelDense` / `RowParallelDense`)
+call the same two `echo_jax.tp` sites; the model keeps its own projections for one f per block
+in front of several column projections, taps of the partial sums, and the simulation's rounding
+pins below (docs/models.md, "The model's TP sites and the Flax layers";
+tests/models/test_model_sites.py checks that both give the same bits).
 
 Compensator states (echo_jax.tp): the forward state is one CompensatorState shaped like a block
 output [B, T, D] (in CommConfig.state_dtype: fp32 unless the Echo configs ask for bfloat16), carried through the scan carry and created as zeros at the start of every
