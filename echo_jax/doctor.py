@@ -62,6 +62,7 @@ def _module(name: str, transport) -> dict:
         out["platforms"] = list(cpu.available_platforms())
     else:
         archs = info.get(cuda.ARCHITECTURES_KEY)
+        out["cuda"] = info.get("cuda") or "unknown"
         out["cuda_architectures"] = (
             "unknown" if not archs else
             archs if isinstance(archs, str) else ";".join(str(a) for a in archs))
@@ -123,6 +124,8 @@ def _module_line(m: dict) -> str:
     parts = [f"headers of jaxlib {m['jaxlib']}", f"XLA FFI API {m['xla_ffi_api']}"]
     if "platforms" in m:
         parts.append(f"platforms {', '.join(m['platforms']) or 'none'}")
+    if m.get("cuda", "unknown") != "unknown":
+        parts.append(f"CUDA {m['cuda']}")
     if "cuda_architectures" in m:
         archs = m["cuda_architectures"]
         parts.append("CUDA architectures " + (archs if archs != "unknown" else

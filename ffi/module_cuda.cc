@@ -8,6 +8,12 @@ namespace nb = nanobind;
 #ifndef ECHO_JAX_HEADERS_JAXLIB  // set by CMakeLists.txt: the jaxlib release of the FFI headers
 #define ECHO_JAX_HEADERS_JAXLIB "unknown"
 #endif
+#ifndef ECHO_JAX_CUDA_VERSION  // set by CMakeLists.txt: the nvcc release that compiled the kernels
+#define ECHO_JAX_CUDA_VERSION "unknown"
+#endif
+#ifndef ECHO_JAX_CUDA_ARCHITECTURES  // set by CMakeLists.txt: CMAKE_CUDA_ARCHITECTURES, comma-separated
+#define ECHO_JAX_CUDA_ARCHITECTURES ""
+#endif
 
 extern "C" {
 XLA_FFI_Error* echo_allreduce_cuda(XLA_FFI_CallFrame*);
@@ -43,6 +49,10 @@ NB_MODULE(_ffi_cuda, m) {
     nb::dict d;
     d["jaxlib"] = ECHO_JAX_HEADERS_JAXLIB;
     d["xla_ffi_api"] = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+    d["cuda"] = ECHO_JAX_CUDA_VERSION;
+    // CMake's spelling: "90a-real" is sm_90a machine code, "80-virtual" compute_80 PTX.
+    d["cuda_architectures"] = ECHO_JAX_CUDA_ARCHITECTURES;
     return d;
-  }, "The XLA FFI headers this module was compiled against (as echo_jax._ffi.build_info()).");
+  }, "What this module was compiled against: the XLA FFI headers (as echo_jax._ffi.build_info()), "
+     "the CUDA release and the GPU architectures.");
 }

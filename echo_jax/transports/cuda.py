@@ -88,9 +88,11 @@ def build_info() -> dict:
 #: records them; `python -m echo_jax doctor` says "unknown" otherwise).
 ARCHITECTURES_KEY = "cuda_architectures"
 
-#: What builds the CUDA handlers: the install compiles them only where it finds nvcc.
-BUILD_FIX = ("the install builds them only where it finds nvcc (a CUDA toolkit); put nvcc on the "
-             "PATH (or point CUDACXX at it) and reinstall: " + base.REINSTALL)
+#: What builds the CUDA handlers: the install compiles them only where it finds a CUDA compiler.
+BUILD_FIX = ("the install builds them only where it finds a CUDA compiler: nvcc on the PATH (or "
+             "CUDACXX), or pip's CUDA toolkit in this environment (`pip install nvidia-cuda-nvcc "
+             "nvidia-cuda-crt nvidia-cuda-cccl nvidia-cuda-runtime`); get one of them, then "
+             "reinstall: " + base.REINSTALL + " (docs/install.md)")
 
 
 def module_reason() -> tuple[str, str] | None:

@@ -48,10 +48,11 @@ def on_gpu_platform(monkeypatch):
     monkeypatch.setattr(base, "current_platform", lambda mesh=None: "cuda")
 
 
-def cuda_module(monkeypatch, api=None, jaxlib_version=None):
-    """echo_jax._ffi_cuda loads, built against these FFI headers (default: the runtime's)."""
+def cuda_module(monkeypatch, api=None, jaxlib_version=None, **recorded):
+    """echo_jax._ffi_cuda loads, built against these FFI headers (default: the runtime's);
+    `recorded`: more build_info() keys (an older build records no "cuda" / architectures)."""
     info = {"jaxlib": jaxlib_version or jaxlib.__version__,
-            "xla_ffi_api": api or base.runtime_ffi_api() or (0, 0)}
+            "xla_ffi_api": api or base.runtime_ffi_api() or (0, 0), **recorded}
     module = types.SimpleNamespace(build_info=lambda: dict(info), registrations=lambda: {})
     monkeypatch.setattr(cuda, "_module", lambda: module)
 
@@ -191,6 +192,16 @@ def test_cuda_handlers_refused_by_this_jaxlib(monkeypatch, capsys):
     assert "REFUSED: " + found.reason in text
     assert "P=2   xla  [build_mismatch]  EchoFallbackWarning" in text
     assert record["modules"][1]["built"] and not record["modules"][1]["accepted"]
+
+
+def test_the_module_line_names_the_cuda_release_and_architectures(monkeypatch, capsys):
+    # What CMakeLists.txt compiles into build_info(): the nvcc release, CMake's architectures.
+    on_gpu_platform(monkeypatch)
+    cuda_module(monkeypatch, cuda="13.0.88", cuda_architectures="80-real,90a-real,80-virtual")
+    status, text, record = doctor(monkeypatch, capsys, gpu_devices(2))
+    assert ("XLA FFI API" in text and ", CUDA 13.0.88, CUDA architectures "
+            "80-real,90a-real,80-virtual; accepted by this jaxlib") in text
+    assert record["modules"][1]["cuda"] == "13.0.88"
 
 
 def test_several_processes(monkeypatch, capsys):
