@@ -102,7 +102,7 @@ def axis_size(axis_name, where: str = "echo_psum") -> int:
         for name in _axes(axis_name, where):
             size *= axis_size(name, where)
         return size
-    name = _single_axis(axis_name, where)
+    name = single_axis(axis_name, where)
     try:
         return lax.axis_size(name)
     except NameError:
@@ -119,7 +119,7 @@ def _axes(axis_name, where="echo_psum") -> tuple:
         if isinstance(name, (tuple, list)):
             raise ValueError(f"{where}: axis_name must be an axis name or a flat tuple of them, "
                              f"got {axis_name!r}")
-        _single_axis(name, where)
+        single_axis(name, where)
     if len(set(names)) != len(names):
         raise ValueError(f"{where}: axis_name {axis_name!r} names an axis twice")
     return names
@@ -155,7 +155,17 @@ def _config_for_axes(config: EchoConfig, axis, where="echo_psum") -> EchoConfig:
     return config.replace(transport="xla")
 
 
-def _single_axis(axis_name, where):
+def single_axis(axis_name, where: str = "echo_psum"):
+    """One mesh or vmap axis name, checked: a one-element tuple / list is unwrapped; several
+    names, an integer or an unhashable value raise a ValueError that names `where` and the fix.
+
+    Args:
+      axis_name: what the caller passed as the axis.
+      where: the public function, for the message.
+
+    Returns:
+      The axis name.
+    """
     if isinstance(axis_name, (tuple, list)):
         if len(axis_name) != 1:
             raise ValueError(f"{where}: reduces over exactly one axis name, got {axis_name!r}; "

@@ -106,7 +106,7 @@ def forward_site(x, axis_name, config: SiteConfigs, state: CompensatorState | No
       (y, new_state); new_state is None when state is None.
     """
     _check_configs(config, "forward_site")
-    collective.axis_size(collective._single_axis(axis_name, "forward_site"), "forward_site")
+    collective.axis_size(collective.single_axis(axis_name, "forward_site"), "forward_site")
     return _forward_site(x, state, choice, axis_name, config, rescale, bool(exact_in_f32))
 
 
@@ -160,7 +160,7 @@ def backward_site(x, axis_name, config: SiteConfigs, bwd_state: CompensatorState
       (x, bwd_state): both unchanged in value; x typed as varying over the axis.
     """
     _check_configs(config, "backward_site")
-    collective.axis_size(collective._single_axis(axis_name, "backward_site"), "backward_site")
+    collective.axis_size(collective.single_axis(axis_name, "backward_site"), "backward_site")
     if not isinstance(bwd_state, CompensatorState):
         raise ValueError("backward_site: bwd_state must be a CompensatorState shaped like x "
                          "(use echo_jax.init_state(x))")
