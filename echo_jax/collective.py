@@ -26,26 +26,22 @@ whole groups and every group is rotated by a fixed randomized Hadamard matrix (`
 before step 1, and the sum is rotated back and cut to x's length after step 4, so one outlier
 channel no longer sets its group's scale. The compensator's apply and update steps stay in the
 original basis; the rescaling's factor (from x, aiming sqrt(g) lower) multiplies x before the
-rotation and divides the sum after the inverse rotation. Where the rotation runs is decided in one
-place, `fused_rotation`: inside the call where the chosen transport rotates by itself
-(`transports.has_fused_rotation`: the CPU and CUDA custom calls); x then enters the call as on
-the unrotated direct and fused paths, and a compensated call stays fused (apply, scale, rotate,
+rotation and divides the sum after the inverse rotation. Inside the call where the chosen
+transport rotates by itself (the CPU and CUDA custom calls); x then enters the call as on the
+unrotated direct and fused paths, and a compensated call stays fused (apply, scale, rotate,
 protocol, unrotate, unscale, update, all in the call). Otherwise (the "xla" transport, or a
-transport without a fused rotation for this config) it is plain JAX around the transport, which
-then gets the config with rotation="none" (`_rotated_allreduce_f32`,
+custom call that does not rotate groups of this size) it is plain JAX around the transport,
+which then gets the config with rotation="none" (`_rotated_allreduce_f32`,
 `transports.xla.rotated_allreduce`), and the compensator's steps run in JAX around it. Both give
 the same bits ("xla" == "p2p"). Gradients are psum's on every path (straight-through).
 
-Transports (`echo_jax.transports`): `transports.select` is the one choice of the transport a
-call runs ("xla", or the "p2p" custom call of the platform, CPU or CUDA).
-
-Fused or unfused compensation (decided in one place, `fused_compensation`): a transport with a
-fused call (`allreduce_compensated`: the custom calls) fuses the apply and update steps for the
-state dtypes its call takes (`transports.fused_state_dtypes`: fp32 and bfloat16 on the CPU and
-CUDA calls), and with the rotation only where the rotation is fused into the call too (the
-rescaling factor is an operand of the fused call). Otherwise (a state dtype the call does not
-take, a rotation in JAX, or the "xla" transport) the apply step, the uncompensated transport and
-the update run one after the other in JAX; "xla" and "p2p" give the same bits either way.
+The call plan (`echo_jax.transports.plan`): each leaf's call is decided once, at trace time —
+the transport ("xla", or the "p2p" custom call of the platform, CPU or CUDA), where the rotation
+runs, whether the compensator is fused into the call (its apply and update steps, for the state
+dtypes the call takes: fp32 and bfloat16 on the CPU and CUDA calls; not with a rotation in JAX,
+since the state lives in the original basis) or runs in JAX around the uncompensated call, and
+the reason for every fallback. The frozen `CallPlan` goes, static, to the functions that trace
+the call; nothing re-selects. "xla" and "p2p" give the same bits on every path.
 
 Where the update runs (`EchoConfig.state_update`): "in_call" as above; "separate" (the Echo
 paper Sec. 5.3, Appendix C): the call runs the apply step only (fused into the custom call's
@@ -180,24 +176,23 @@ def single_axis(axis_name, where: str = "echo_psum"):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
-def _allreduce_f32(x_flat32, factor, axis, num_ranks, config):
+def _allreduce_f32(x_flat32, factor, axis, num_ranks, plan):
     # x: flat fp32, or bfloat16 / float16 for the custom call (fp32 arithmetic inside either
     # way); the sum comes back in x's dtype. factor: None, or the f32 power of two of the
     # rescaling (applied inside the custom call, around xla_allreduce on the xla transport).
-    # config.rotation="hadamard" only where the transport rotates by itself (`fused_rotation`).
-    transport = transports.select(config, axis, x_flat32.shape[0])
-    return transport.allreduce(x_flat32, axis, num_ranks, config, factor=factor)
+    # plan: the call's `transports.CallPlan` (its config rotates only where the call does).
+    return plan.transport.allreduce(x_flat32, axis, num_ranks, plan.config, factor=factor)
 
 
 @_allreduce_f32.defjvp
-def _allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
+def _allreduce_f32_jvp(axis, num_ranks, plan, primals, tangents):
     # Straight-through: the derivative of the quantized sum is taken as that of the exact sum.
     # A 16-bit tangent is summed in fp32 and rounded once, as on the fp32 path around the call
     # (x.astype(f32) -> sum -> astype), so both paths give the same derivative bits. The factor
     # is a constant of the derivative (a power of two chosen from stopped values).
     (x, factor), (t, _) = primals, tangents
     t = t.astype(jnp.float32)
-    return _allreduce_f32(x, factor, axis, num_ranks, config), lax.psum(t, axis).astype(x.dtype)
+    return _allreduce_f32(x, factor, axis, num_ranks, plan), lax.psum(t, axis).astype(x.dtype)
 
 
 def resolve_transport(config: EchoConfig, axis=None, num_elements=None) -> str:
@@ -322,57 +317,6 @@ def power_of_two_scale(x32, axis):
     return rescale_factor(x32, axis, True)
 
 
-def fused_rotation(config: EchoConfig, transport=None) -> bool:
-    """Whether the rotation of a call with this config runs inside the transport's call.
-
-    The one place that decides it (`_echo_leaf` asks only here): config.rotation is "hadamard"
-    and the transport rotates by itself (`transports.has_fused_rotation`: the custom calls, the
-    CUDA one for g <= 1024). Otherwise the rotation runs in plain JAX around the transport, which
-    gets rotation="none"; the bits are the same. The rescaling does not matter: its factor comes
-    from x on every path and multiplies x before the rotation (`transports.xla.rotated_allreduce`).
-
-    Args:
-      config: the call's EchoConfig.
-      transport: the transport module the call runs (`transports.select`); None: not known,
-        so not fused.
-    """
-    return (config.rotation == "hadamard" and transport is not None
-            and transports.has_fused_rotation(transport, config))
-
-
-def fused_compensation(config: EchoConfig, rescale=False, transport=None) -> bool:
-    """Whether a compensated call with this config may fuse apply + update into the custom call
-    (with `state_update="separate"`: the apply step only, where the transport has that call).
-
-    The one place that decides it (`_echo_leaf` asks only here): the fused calls (the CPU
-    handler and the CUDA kernels) take the state dtypes their transport lists, and nothing may
-    run in fp32 around them: with rotation="hadamard" only where the rotation is fused into the call too
-    (`fused_rotation(config, transport)`; a rotation in JAX around the call would hand it
-    rotated values, while the state lives in the original basis). The rescaling factor is an
-    operand of the fused call (applied after the apply step, undone before the update, as
-    Sec. 5.4 orders them), so `rescale` does not unfuse it. An fp32 state fuses on every
-    transport with a fused call; another state dtype only where the transport's call takes it
-    (`transports.fused_state_dtypes`: bfloat16 on the CUDA and CPU calls), else it runs unfused:
-    apply in JAX, the uncompensated transport, update in JAX (the same bits). Whether a
-    transport with a fused call runs at all is `transports.select`'s choice.
-
-    Args:
-      config: the call's EchoConfig.
-      rescale: echo_psum's rescale (False, True or "auto").
-      transport: the transport module the call runs; needed with the rotation or a state dtype
-        other than fp32 (None: not known, so such a call is not fused).
-    """
-    check_rescale(rescale, "fused_compensation")
-    if config.state_update == "separate" and (
-            transport is None or not transports.has_fused_apply(transport)):
-        return False
-    if config.state_dtype != "float32" and (
-            transport is None
-            or config.state_dtype not in transports.fused_state_dtypes(transport)):
-        return False
-    return config.rotation == "none" or fused_rotation(config, transport)
-
-
 def _check_sharding_type(x, axis, where="echo_psum"):
     """A ValueError that names the type and the fix where x is typed unreduced or reduced (the
     explicit-sharding types, `jax.typeof(x)` shows {U:...} / {R:...}): Echo's quantizer is not
@@ -463,11 +407,9 @@ def _echo_float(x, state, axis, config: EchoConfig, rescale: bool):
         state = jax.tree.map(lax.stop_gradient, state)
         state = comp.to_varying_state(state, axis)
         m = comp.CompensatorState(jnp.ravel(state.m1), jnp.ravel(state.m2))
-    transport = transports.select(config, axis, flat.shape[0])
-    # The rotation runs inside the call where the transport rotates by itself (`fused_rotation`);
-    # else in JAX around the transport (`_rotated_allreduce_f32`, the compensator around it in
-    # JAX, so that its state stays in the original basis).
-    jax_rotation = config.rotation == "hadamard" and not fused_rotation(config, transport)
+    plan = transports.plan(config, axis, flat.shape[0], num_ranks=num_ranks,
+                           state_dtype=None if state is None else config.state_dtype,
+                           rescale=rescale)
     # The rescaling factor comes from x itself (before the apply step), on every path, so that
     # the fused call needs no fp32 copy of x' in XLA: x' differs from x by the small correction,
     # far inside the headroom the factor leaves (P * max |x| * factor < 2^15, half of fp16's
@@ -476,21 +418,17 @@ def _echo_float(x, state, axis, config: EchoConfig, rescale: bool):
     # multiplies x before the rotation.
     factor = None if rescale is False else rescale_factor(
         flat, axis, rescale, rotation_headroom_log2(config), num_ranks)
-    # A transport with a fused call is a custom call: nothing around it needs fp32 (`direct`),
-    # a fused rotation included.
-    direct = not jax_rotation and transports.has_fused_compensation(transport)
-    if direct and state is None:
+    if plan.direct and plan.compensation == "none":
         # Nothing runs in fp32 around the custom call: x enters it in its own dtype (the call
         # widens a 16-bit x exactly, and multiplies by the factor) and the sum leaves it in x's
         # dtype, divided by the factor and rounded from fp32 as y32.astype(dtype) rounds it.
-        return _allreduce_f32(flat, factor, axis, num_ranks, config).reshape(shape), None
-    if direct and fused_compensation(config, rescale, transport) \
-            and config.state_update == "separate":
+        return _allreduce_f32(flat, factor, axis, num_ranks, plan).reshape(shape), None
+    if plan.compensation == "applied":
         # The apply step in the call's entry pass; the update after it as its own op.
-        y = _applied_allreduce_f32(flat, state.m1, state.m2, factor, axis, num_ranks, config)
+        y = _applied_allreduce_f32(flat, state.m1, state.m2, factor, axis, num_ranks, plan)
         y = y.reshape(shape)
         return y, _update_after(x, y, num_ranks, state, config)
-    if direct and fused_compensation(config, rescale, transport):
+    if plan.compensation == "fused":
         # Fused compensation (Sec. 5.3): the apply step runs in the call's entry pass and the
         # state update inside the call, with the fp32 sum (unrotated first where the call
         # rotates); m1/m2 are updated in place. They go in and come out in their own shape: a
@@ -498,25 +436,24 @@ def _echo_float(x, state, axis, config: EchoConfig, rescale: bool):
         # and after every call in a loop (a scan over sites with an N-D contribution: four
         # state copies a site, more traffic than the fused update itself).
         y, m1, m2 = _fused_allreduce_f32(flat, state.m1, state.m2, factor, axis, num_ranks,
-                                         config)
+                                         plan)
         return y.reshape(shape), comp.CompensatorState(m1, m2)
-    # Unfused (the xla transport; or a custom call with a state dtype it does not take or a
-    # rotation in JAX):
-    # apply, the uncompensated transport (rescaled and, with a fused rotation, rotated inside),
-    # update, in JAX.
+    # In JAX around the call (the xla transport; or a custom call with a state dtype it does
+    # not take or a rotation in JAX): apply, the uncompensated call (rescaled and, with a
+    # rotation in the call, rotated inside), update.
     x32 = flat.astype(jnp.float32)
     k = comp.Coefficients.from_config(config)
     if state is not None:
         x32 = comp.apply_correction(x32, m, k)
-    if jax_rotation:
-        # In JAX around the unrotated transport: scale, rotate, reduce, rotate back, unscale.
-        y32 = _rotated_allreduce_f32(x32, factor, axis, num_ranks, config)
+    if plan.rotation == "jax":
+        # In JAX around the unrotated call: scale, rotate, reduce, rotate back, unscale.
+        y32 = _rotated_allreduce_f32(x32, factor, axis, num_ranks, plan)
     else:
-        y32 = _allreduce_f32(x32, factor, axis, num_ranks, config)
+        y32 = _allreduce_f32(x32, factor, axis, num_ranks, plan)
     y = y32.reshape(shape).astype(dtype)
     if state is None:
         return y, None
-    if config.state_update == "separate":
+    if plan.update == "separate":
         return y, _update_after(x, y, num_ranks, state, config)
     new = comp.update_state(x32, y32, num_ranks, m, k)
     # The state carries no derivative on any path (the fused call's rule too): it is feedback
@@ -536,9 +473,9 @@ def _update_after(x, y, num_ranks, state, config):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
-def _rotated_allreduce_f32(x_flat32, factor, axis, num_ranks, config):
+def _rotated_allreduce_f32(x_flat32, factor, axis, num_ranks, plan):
     """The quantized all-reduce in the rotated basis, returned in the original basis: the
-    rotation in plain JAX around the transport (where `fused_rotation` is False).
+    rotation in plain JAX around the transport (where the plan says rotation "jax").
 
     x times the factor (None: 1) is padded with zeros to whole groups, so that every Hadamard
     block is exactly one quantization group of the wire layout, and rotated
@@ -549,53 +486,53 @@ def _rotated_allreduce_f32(x_flat32, factor, axis, num_ranks, config):
     """
 
     def reduce(xr, axis, num_ranks, plain, factor=None):
-        return _allreduce_f32(xr, factor, axis, num_ranks, plain)
+        del plain  # plan.config: the caller's config with rotation="none"
+        return _allreduce_f32(xr, factor, axis, num_ranks, plan)
 
-    return rotated_allreduce(reduce, x_flat32, axis, num_ranks, config, factor)
+    return rotated_allreduce(reduce, x_flat32, axis, num_ranks, plan.config, factor)
 
 
 @_rotated_allreduce_f32.defjvp
-def _rotated_allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
+def _rotated_allreduce_f32_jvp(axis, num_ranks, plan, primals, tangents):
     # Straight-through, as in `_allreduce_f32`: the rotation is orthogonal and linear and the
     # exact sum commutes with it, so the derivative is psum's exactly (not rotated round trips).
     # The factor is a constant of the derivative.
     (x, factor), (t, _) = primals, tangents
-    return _rotated_allreduce_f32(x, factor, axis, num_ranks, config), lax.psum(t, axis)
+    return _rotated_allreduce_f32(x, factor, axis, num_ranks, plan), lax.psum(t, axis)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
-def _fused_allreduce_f32(x_flat32, m1, m2, factor, axis, num_ranks, config):
+def _fused_allreduce_f32(x_flat32, m1, m2, factor, axis, num_ranks, plan):
     # x: flat fp32, bfloat16 or float16 (the sum comes back in its dtype); m1, m2: the state in
     # x's original shape and the state dtype (returned so); factor: None or the f32 power of two
-    # of the rescaling. Only a transport with a fused call gets here (`_echo_leaf`).
-    transport = transports.select(config, axis, x_flat32.shape[0])
-    return transport.allreduce_compensated(x_flat32, m1, m2, axis, num_ranks, config,
-                                           factor=factor)
+    # of the rescaling. Only a plan with compensation "fused" gets here (`_echo_float`).
+    return plan.transport.allreduce_compensated(x_flat32, m1, m2, axis, num_ranks, plan.config,
+                                                factor=factor)
 
 
 @_fused_allreduce_f32.defjvp
-def _fused_allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
+def _fused_allreduce_f32_jvp(axis, num_ranks, plan, primals, tangents):
     # Straight-through for x (as in `_allreduce_f32`, a 16-bit tangent summed in fp32); the
     # state and the factor carry no derivative.
     x, m1, m2, factor = primals
-    y, n1, n2 = _fused_allreduce_f32(x, m1, m2, factor, axis, num_ranks, config)
+    y, n1, n2 = _fused_allreduce_f32(x, m1, m2, factor, axis, num_ranks, plan)
     t = tangents[0].astype(jnp.float32)
     return (y, n1, n2), (lax.psum(t, axis).astype(y.dtype), jnp.zeros_like(n1),
                          jnp.zeros_like(n2))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
-def _applied_allreduce_f32(x_flat32, m1, m2, factor, axis, num_ranks, config):
+def _applied_allreduce_f32(x_flat32, m1, m2, factor, axis, num_ranks, plan):
     # As `_fused_allreduce_f32`, but the call only reads m1, m2 (the apply step) and returns y.
-    transport = transports.select(config, axis, x_flat32.shape[0])
-    return transport.allreduce_applied(x_flat32, m1, m2, axis, num_ranks, config, factor=factor)
+    return plan.transport.allreduce_applied(x_flat32, m1, m2, axis, num_ranks, plan.config,
+                                            factor=factor)
 
 
 @_applied_allreduce_f32.defjvp
-def _applied_allreduce_f32_jvp(axis, num_ranks, config, primals, tangents):
+def _applied_allreduce_f32_jvp(axis, num_ranks, plan, primals, tangents):
     # Straight-through for x, as in `_fused_allreduce_f32`; the state and the factor carry none.
     x, m1, m2, factor = primals
-    y = _applied_allreduce_f32(x, m1, m2, factor, axis, num_ranks, config)
+    y = _applied_allreduce_f32(x, m1, m2, factor, axis, num_ranks, plan)
     t = tangents[0].astype(jnp.float32)
     return y, lax.psum(t, axis).astype(y.dtype)
 
@@ -714,7 +651,7 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
 
 
 __all__ = ["echo_psum", "xla_allreduce", "segment_layout", "resolve_transport",
-           "fused_compensation", "fused_rotation", "power_of_two_scale", "rescale_factor",
+           "power_of_two_scale", "rescale_factor",
            "rotation_headroom_log2", "auto_rescale_above",
            "check_rescale", "xla_allreduce_scaled", "RESCALE_MODES", "AUTO_RESCALE_BELOW",
            "RESCALE_TOP_LOG2", "FORCE_XLA_ENV"]

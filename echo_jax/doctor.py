@@ -7,13 +7,15 @@ the XLA FFI API they were compiled against, the CUDA architectures where the bui
 accepted by this jaxlib or not), and for each axis size P the transport that `transport="auto"`
 gives an `echo_psum` over one mesh axis of the first P local devices (inside a `jax.shard_map`
 manual over it, under `jax.set_mesh`), with the reason and its fix where it is not the custom
-call. The answers are `echo_jax.transports.availability`'s, the same sentences as the fallback
+call, and the plan of a few typical calls over that axis (`echo_jax.transports.plan_with`:
+where the rotation runs, whether the compensator is fused). The answers are `echo_jax.transports.availability`'s, the same sentences as the fallback
 warning (`EchoFallbackWarning`) and the "p2p" error. `format_report` prints them.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib.metadata
 import os
 import platform as _platform
@@ -22,6 +24,7 @@ import jax
 
 import echo_jax
 from echo_jax import transports
+from echo_jax.config import EchoConfig
 from echo_jax.transports import base, cpu, cuda
 
 #: The largest axis size asked about by default (the CUDA custom call's limit).
@@ -79,7 +82,39 @@ def _axis(size: int, platform: str, devices) -> dict:
                           f"{len(devices)}{hint}"}
     found = transports.availability(platform, devices=list(devices[:size]))
     return {"size": size, "transport": found.name, "kind": found.kind, "warns": found.warns,
-            "reason": found.reason}
+            "reason": found.reason, "plans": _plans(found, platform, size)}
+
+
+#: The calls whose plan the doctor shows for each axis: (label, EchoConfig fields, state).
+PLANNED_CALLS = (
+    ("plain", {}, False),
+    ("compensated", {}, True),
+    ("compensated, rotated", {"rotation": "hadamard"}, True),
+    ("compensated, separate update", {"state_update": "separate"}, True),
+)
+
+
+def _plans(found, platform: str, size: int) -> dict:
+    """{label: `CallPlan.describe()`} of the PLANNED_CALLS over an axis with this availability
+    (`transports.plan_with`: the transport "auto" gets there, the rules of `transports.plan`)."""
+    if size == 1:
+        return {"every call": "P = 1: echo_psum returns x as it is (nothing is quantized or "
+                              "sent; the state passes through)"}
+    if os.environ.get(transports.FORCE_XLA_ENV, "") not in ("", "0"):
+        chosen, fallback = transports.XLA, f"{transports.FORCE_XLA_ENV} is set"
+    elif found.reason is None:
+        chosen, fallback = transports.custom_call(platform), None
+    else:
+        chosen, fallback = transports.XLA, found.reason
+    out = {}
+    for label, fields, state in PLANNED_CALLS:
+        config = EchoConfig(**fields)
+        plan = transports.plan_with(chosen, config, state_dtype=config.state_dtype if state
+                                    else None, fallback=fallback)
+        # The fallback's reason is printed once per axis already.
+        out[label] = dataclasses.replace(plan, reasons=plan.reasons[fallback is not None:]
+                                         ).describe()
+    return out
 
 
 def collect(axis_sizes=None) -> dict:
@@ -154,6 +189,7 @@ def format_report(record: dict) -> str:
     lines.append('transport="auto" over one mesh axis of the first P local devices (echo_psum '
                  "inside a jax.shard_map manual over it, under jax.set_mesh):")
     reasons = {}
+    shown = None  # the plans printed last: an axis with the same plans says so in one line
     for a in record["axes"]:
         head = f"  P={a['size']:<3} {a['transport'] or '-':<4}"
         if a["reason"] is None:
@@ -163,6 +199,12 @@ def format_report(record: dict) -> str:
         else:
             reasons.setdefault(a["reason"], a["kind"])
             lines.append(f"{head} [{a['kind']}]" + ("  EchoFallbackWarning" if a["warns"] else ""))
+        plans = a.get("plans") or {}
+        if plans and plans == shown:
+            lines[-1] += "  (plans as above)"
+        else:
+            lines += [f"        {label + ':':<30} {text}" for label, text in plans.items()]
+            shown = plans
     if reasons:
         lines.append("why not the custom call (and the fix):")
         lines += [f"  [{kind}] {reason}" for reason, kind in reasons.items()]

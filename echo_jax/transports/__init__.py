@@ -1,41 +1,24 @@
-"""The transports of the Echo all-reduce, behind one small interface, and the one choice of them.
+"""The transports of the Echo all-reduce, behind one interface, and the plan of each call.
 
-A transport is a module with
+A transport is an object of a `base.Transport` subclass (the abstract interface: its methods
+and capability attributes are documented there): `xla.TRANSPORT` (pure JAX, everywhere, the
+reference), `cpu.TRANSPORT` (the XLA FFI custom call of `echo_jax._ffi`, host threads over
+shared memory) and `cuda.TRANSPORT` (the CUDA custom calls of `echo_jax._ffi_cuda`, one GPU
+per rank).
 
-* ``NAME``: the value of `EchoConfig.transport` that names it ("xla", or "p2p" for both custom
-  calls);
-* ``unavailable_reason(axis_name=None)``: None where it can run in this tracing context, else a
-  sentence that says why not; a custom call also has ``unavailable(axis_name=None,
-  platform=None, devices=None)``, the same answer as (kind, sentence) for `availability`
-  (kinds: REASON_KINDS), asked of a trace or of the devices of one mesh axis;
-* ``limit_reason(config, num_elements, num_ranks)``: None where the call is within its size
-  limits, else a sentence;
-* ``allreduce(x_flat, axis, num_ranks, config, factor=None)``: the quantized all-reduce of a flat
-  contribution (float32, bfloat16 or float16), the sum in x's dtype, the same bits on every
-  transport; with ``config.rotation == "hadamard"`` rotated inside the call (the bits of
-  `xla.rotated_allreduce`: pad to whole groups, rotate, all-reduce, rotate back, cut);
-* optionally ``allreduce_compensated(x_flat, m1, m2, axis, num_ranks, config, factor=None)``:
-  Algorithm 1 of the Echo paper fused into the call, rotated like ``allreduce`` between the
-  apply and the update steps, with ``FUSED_STATE_DTYPES`` (default ("float32",)) the state
-  dtypes it takes (`fused_state_dtypes`). `echo_psum` takes the fused path where the chosen
-  transport has it (and `collective.fused_compensation` allows it);
-* optionally ``allreduce_applied(x_flat, m1, m2, axis, num_ranks, config, factor=None)``: the
-  apply step alone fused into the call's entry pass, y returned, m1 and m2 only read
-  (`EchoConfig.state_update="separate"`, `has_fused_apply`);
-* optionally ``fused_rotation(config)``: whether the call rotates by itself for this config
-  (`has_fused_rotation`; a transport without it counts as False). Where it does not,
-  `echo_psum` rotates in JAX around it and passes it ``rotation="none"``.
-
-The transports: `xla` (pure JAX, everywhere, the reference), `cpu` (the XLA FFI custom call of
-`echo_jax._ffi`, host threads over shared memory) and `cuda` (the CUDA custom calls of
-`echo_jax._ffi_cuda`, one GPU per rank). `select` is the one place that decides which runs;
-`availability` is the one answer to whether the custom call can run and why not, which
-`select`'s fallback warning (`EchoFallbackWarning`), its "p2p" error and
-`python -m echo_jax doctor` all print.
+`plan` decides each call once, at trace time: the transport (`select`: "auto", "p2p", "xla"
+and the kill switch), where the rotation runs (in the call, in JAX around it, none), how the
+compensator runs (fused into the call, the apply step in the call and a separate update, in JAX
+around an uncompensated call, none), where the rescaling's factor is applied, and why each
+fallback happened. `echo_psum` makes the plan once per leaf and passes the frozen `CallPlan`,
+static, to the functions that trace the call; nothing re-selects. `availability` is the one
+answer to whether the custom call can run and why not, which `select`'s fallback warning
+(`EchoFallbackWarning`), its "p2p" error and `python -m echo_jax doctor` all print.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import warnings
@@ -51,14 +34,18 @@ from echo_jax.transports import base, cpu, cuda, xla
 FORCE_XLA_ENV = "ECHO_JAX_FORCE_XLA"
 
 
-def custom_call(platform=None):
-    """The custom-call transport of a platform: `cuda` on NVIDIA GPUs, else `cpu`.
+#: The transports, by module: what `select` and `plan` choose from.
+XLA, CPU, CUDA = xla.TRANSPORT, cpu.TRANSPORT, cuda.TRANSPORT
+
+
+def custom_call(platform=None) -> base.Transport:
+    """The custom-call transport of a platform: `CUDA` on NVIDIA GPUs, else `CPU`.
 
     Args:
       platform: "cpu", "gpu", "cuda", ... (default: the one a call traced here runs on).
     """
     platform = base.current_platform() if platform is None else base.platform_name(platform)
-    return cuda if platform == "cuda" else cpu
+    return CUDA if platform == "cuda" else CPU
 
 
 class EchoFallbackWarning(UserWarning):
@@ -145,8 +132,8 @@ def availability(platform=None, axis=None, *, devices=None, config: EchoConfig |
         limit = chosen.limit_reason(config, int(num_elements), int(num_ranks))
         found = None if limit is None else ("limits", limit)
     if found is None:
-        return Availability(chosen.NAME, None, None, platform)
-    return Availability(xla.NAME, found[1], found[0], platform)
+        return Availability(chosen.name, None, None, platform)
+    return Availability(XLA.name, found[1], found[0], platform)
 
 
 def fallback_message(found: Availability) -> str:
@@ -205,14 +192,14 @@ def limit_reason(config: EchoConfig, num_elements: int, num_ranks: int) -> str |
 
 
 def select(config: EchoConfig, axis_name=None, num_elements=None, *, num_ranks=None,
-           transport=None, where=None, honor_env=True):
+           transport=None, where=None, honor_env=True) -> base.Transport:
     """The transport a call runs here: the one decision of "auto", "p2p" and the kill switch.
 
     "xla" runs "xla". "p2p" and "auto" run this platform's custom call where `availability`
     finds no reason against it (with the axis and the size known, its size limits too);
     elsewhere "auto" runs "xla" (the same bits), with an `EchoFallbackWarning` once per process
     and reason where that reason is one to fix (`Availability.warns`), and "p2p" raises with
-    the same reason.
+    the same reason. `plan` calls it once per call site; so do the explicit entry points.
 
     Args:
       config: the call's EchoConfig.
@@ -223,72 +210,240 @@ def select(config: EchoConfig, axis_name=None, num_elements=None, *, num_ranks=N
       transport: "auto", "p2p" or "xla" instead of `config.transport`.
       where: a prefix for the error message (the public function called).
       honor_env: whether ECHO_JAX_FORCE_XLA=1 forces "xla" (`echo_psum` honours it; the
-        explicit `echo_jax.p2p` functions do not).
+        explicit entry points of the custom calls do not).
 
     Returns:
-      The transport module (`xla`, `cpu` or `cuda`).
+      The `base.Transport` (`XLA`, `CPU` or `CUDA`).
 
     Raises:
       ValueError: the transport is "p2p" but the custom call cannot run here (says why).
     """
+    return _decide(config, axis_name, num_elements, num_ranks=num_ranks, transport=transport,
+                   where=where, honor_env=honor_env)[0]
+
+
+def _decide(config, axis_name, num_elements, *, num_ranks=None, transport=None, where=None,
+            honor_env=True) -> tuple[base.Transport, str | None]:
+    """`select`'s transport and why it is not the custom call (None where it is, or where
+    "xla" was asked for by name)."""
     requested = config.transport if transport is None else transport
     if honor_env and os.environ.get(FORCE_XLA_ENV, "") not in ("", "0"):
-        return xla
+        return XLA, f"{FORCE_XLA_ENV} is set (the kill switch to pure JAX)"
     if requested == "xla":
-        return xla
+        return XLA, None
     found = availability(axis=axis_name, config=config, num_elements=num_elements,
                          num_ranks=num_ranks)
     if found.reason is None:
-        return custom_call(found.platform)
+        return custom_call(found.platform), None
     if requested == "p2p":
         prefix = f"{where}: " if where else ""
         raise ValueError(f"{prefix}EchoConfig.transport='p2p' cannot run here: {found.reason}. "
                          "Use transport='auto' (falls back to 'xla') or transport='xla'.")
     warn_fallback(found)
-    return xla
+    return XLA, found.reason
 
 
 def resolve(config: EchoConfig, axis_name=None, num_elements=None, **kwargs) -> str:
     """The name ("xla" or "p2p") of the transport `select` chooses (same arguments)."""
-    return select(config, axis_name, num_elements, **kwargs).NAME
+    return select(config, axis_name, num_elements, **kwargs).name
 
 
-def has_fused_compensation(transport) -> bool:
-    """Whether a transport module fuses the compensated all-reduce (`allreduce_compensated`)."""
-    return callable(getattr(transport, "allreduce_compensated", None))
+def has_fused_compensation(transport: base.Transport) -> bool:
+    """Whether a transport fuses the compensated all-reduce (`allreduce_compensated`)."""
+    return bool(transport.fused_state_dtypes)
 
 
-def has_fused_apply(transport) -> bool:
-    """Whether a transport module fuses the apply step alone into its call (`allreduce_applied`,
-    for `EchoConfig.state_update="separate"`); it takes the state dtypes of its compensated
-    call (`fused_state_dtypes`)."""
-    return has_fused_compensation(transport) and callable(
-        getattr(transport, "allreduce_applied", None))
+def has_fused_apply(transport: base.Transport) -> bool:
+    """Whether a transport fuses the apply step alone into its call (`allreduce_applied`, for
+    `EchoConfig.state_update="separate"`); it takes the state dtypes of its compensated call."""
+    return has_fused_compensation(transport) and transport.fused_apply
 
 
-def fused_state_dtypes(transport) -> tuple[str, ...]:
-    """The compensator state dtypes (`EchoConfig.state_dtype`) a transport module's fused
-    compensated call takes: its ``FUSED_STATE_DTYPES``, ("float32",) when it has none, () when
-    it has no fused call."""
-    if not has_fused_compensation(transport):
-        return ()
-    return tuple(getattr(transport, "FUSED_STATE_DTYPES", ("float32",)))
+def fused_state_dtypes(transport: base.Transport) -> tuple[str, ...]:
+    """The compensator state dtypes (`EchoConfig.state_dtype`) a transport's fused compensated
+    call takes; () where it has none."""
+    return tuple(transport.fused_state_dtypes)
 
 
-def has_fused_rotation(transport, config: EchoConfig) -> bool:
-    """Whether a transport module's calls rotate by themselves for this config (its
-    ``fused_rotation(config)``; False for a transport without one). `echo_psum` hands the
-    rotation to the call only where this holds (`collective.fused_rotation`).
+def has_fused_rotation(transport: base.Transport, config: EchoConfig) -> bool:
+    """Whether a transport's calls rotate by themselves for this config (`plan` hands the
+    rotation to the call only where this holds).
 
     Args:
-      transport: a transport module (`select`'s result).
+      transport: a `base.Transport` (`select`'s result).
       config: the call's EchoConfig.
     """
-    fused = getattr(transport, "fused_rotation", None)
-    return bool(fused(config)) if callable(fused) else False
+    return bool(transport.fused_rotation(config))
 
 
-__all__ = ["select", "resolve", "custom_call", "availability", "Availability",
+# --------------------------------------------------------------------------------------------
+# The plan of one call
+
+
+#: Where a call's Hadamard rotation runs: none; inside the transport's call; in JAX around it.
+ROTATIONS = ("none", "call", "jax")
+#: How a call compensates (Algorithm 1 of the Echo paper): not at all; apply and update fused
+#: into the call ("fused"); the apply step in the call's entry pass and the update as its own op
+#: after it ("applied", `state_update="separate"`); apply, uncompensated call and update in JAX
+#: ("jax").
+COMPENSATIONS = ("none", "fused", "applied", "jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPlan:
+    """How one `echo_psum` call runs, decided once at trace time (`plan`).
+
+    Frozen and hashable: the functions that trace the call take it as a static argument.
+    """
+
+    #: The transport that runs the protocol (`select`'s choice).
+    transport: base.Transport
+    #: The config the transport's call gets: the caller's, with rotation="none" where the
+    #: rotation runs in JAX around the call.
+    config: EchoConfig
+    #: Where the rotation runs (ROTATIONS).
+    rotation: str = "none"
+    #: How the compensator runs (COMPENSATIONS).
+    compensation: str = "none"
+    #: The update step, where compensated: "in_call" (with the sum, inside the call or right
+    #: after it in JAX) or "separate" (`compensator.update_beside`, after the call on its own).
+    update: str = "none"
+    #: echo_psum's rescale (False, True, "auto"): the factor is taken from x in JAX; it is an
+    #: operand of the transport's call, or applied in JAX around it with a JAX rotation.
+    rescale: bool | str = False
+    #: Why the plan is not the fastest one for this config, in the order decided: the custom
+    #: call not running (the fallback's reason), the rotation or the compensation not fused.
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def direct(self) -> bool:
+        """Whether x enters the transport's call in its own dtype and the sum leaves it so
+        (a custom call, nothing in fp32 around it): compensation "none", "fused" or "applied"
+        on a custom call without a JAX rotation."""
+        return (self.transport.custom_call and self.rotation != "jax"
+                and self.compensation != "jax")
+
+    @property
+    def factor_in(self) -> str:
+        """Where the rescaling's factor multiplies x: "none" (rescale=False), "call" (an
+        operand of the transport's call) or "jax" (around the call, with the JAX rotation)."""
+        if self.rescale is False:
+            return "none"
+        return "jax" if self.rotation == "jax" else "call"
+
+    def describe(self) -> str:
+        """One line: transport, rotation, compensation and update, factor, reasons."""
+        name = "p2p (custom call)" if self.transport.custom_call else self.transport.name
+        parts = [f"transport {name}", f"rotation {self.rotation}",
+                 f"compensation {self.compensation}"]
+        if self.compensation != "none":
+            parts.append(f"update {self.update}")
+        parts.append(f"rescale factor {self.factor_in}")
+        text = ", ".join(parts)
+        if self.reasons:
+            text += " (" + "; ".join(self.reasons) + ")"
+        return text
+
+
+def plan(config: EchoConfig, axis_name=None, num_elements=None, *, num_ranks=None,
+         state_dtype=None, rescale="auto", transport=None, where=None,
+         honor_env=True) -> CallPlan:
+    """The plan of one call: the one place that decides transport, rotation, compensation,
+    update and factor, each with the reason where it is not the fused choice.
+
+    The rules: the transport is `select`'s. The rotation (config.rotation="hadamard") runs in
+    the call where the transport rotates by itself (`has_fused_rotation`), else in JAX around
+    it, with the config's rotation set to "none" for the call. A compensated call (a state
+    dtype given) is fused where the transport has a fused call for that state dtype and the
+    rotation is not in JAX (a JAX rotation would hand the call rotated values while the state
+    lives in the original basis); with `state_update="separate"` the apply step is fused
+    ("applied") where the transport has that call. Otherwise the compensator runs in JAX around
+    the uncompensated call. The rescaling's factor never unfuses anything (it is an operand of
+    the fused calls). Every choice gives the same bits.
+
+    Args:
+      config: the call's EchoConfig.
+      axis_name: the axis to reduce over, if known.
+      num_elements: elements of one rank's flat contribution, if known.
+      num_ranks: the axis size, if known.
+      state_dtype: None for an uncompensated call, else the compensator state's dtype name.
+      rescale: echo_psum's rescale (False, True, "auto").
+      transport, where, honor_env: as `select`.
+
+    Returns:
+      A frozen `CallPlan`.
+
+    Raises:
+      ValueError: as `select` (transport "p2p" where the custom call cannot run).
+    """
+    chosen, fallback = _decide(config, axis_name, num_elements, num_ranks=num_ranks,
+                               transport=transport, where=where, honor_env=honor_env)
+    return plan_with(chosen, config, state_dtype=state_dtype, rescale=rescale,
+                     fallback=fallback)
+
+
+def plan_with(transport: base.Transport, config: EchoConfig, *, state_dtype=None,
+              rescale="auto", fallback: str | None = None) -> CallPlan:
+    """The plan of a call on a transport already chosen (`plan` after `select`; `python -m
+    echo_jax doctor` with the transport `availability` gives an axis).
+
+    Args:
+      transport: the `base.Transport` the call runs.
+      config, state_dtype, rescale: as `plan`.
+      fallback: why the transport is not the custom call, if it is not.
+
+    Returns:
+      A frozen `CallPlan`.
+    """
+    rotation, compensation, reasons = call_modes(transport, config, state_dtype)
+    if fallback is not None:
+        reasons = (f"not the custom call: {fallback}",) + reasons
+    call_config = config.replace(rotation="none") if rotation == "jax" else config
+    update = "none" if state_dtype is None else config.state_update
+    return CallPlan(transport, call_config, rotation, compensation, update, rescale, reasons)
+
+
+def call_modes(transport: base.Transport, config: EchoConfig,
+               state_dtype=None) -> tuple[str, str, tuple[str, ...]]:
+    """`plan`'s rules for a chosen transport: where the rotation runs, how the compensator
+    runs, and why each is not fused where the transport is a custom call.
+
+    Args:
+      transport: the `base.Transport` the call runs.
+      config: the call's EchoConfig.
+      state_dtype: None (uncompensated) or the state's dtype name.
+
+    Returns:
+      (rotation in ROTATIONS, compensation in COMPENSATIONS, reasons).
+    """
+    reasons = []
+    rotation = "none"
+    if config.rotation == "hadamard":
+        rotation = "call" if has_fused_rotation(transport, config) else "jax"
+        if rotation == "jax" and transport.custom_call:
+            reasons.append(f"rotation in JAX: the custom call does not rotate groups of "
+                           f"{config.group_size}")
+    compensation = "none"
+    if state_dtype is not None:
+        compensation = "applied" if config.state_update == "separate" else "fused"
+        why = None
+        if not has_fused_compensation(transport):
+            why = ""  # the "xla" transport: nothing is fused, nothing to explain
+        elif rotation == "jax":
+            why = "the rotation runs in JAX around the call (the state stays unrotated)"
+        elif state_dtype not in fused_state_dtypes(transport):
+            why = f"the call takes no {state_dtype} state"
+        elif compensation == "applied" and not has_fused_apply(transport):
+            why = "the call has no apply-only variant"
+        if why is not None:
+            compensation = "jax"
+            if why:
+                reasons.append(f"compensation in JAX: {why}")
+    return rotation, compensation, tuple(reasons)
+
+
+__all__ = ["plan", "plan_with", "CallPlan", "call_modes", "ROTATIONS", "COMPENSATIONS", "XLA", "CPU", "CUDA",
+           "select", "resolve", "custom_call", "availability", "Availability",
            "EchoFallbackWarning", "warn_fallback", "fallback_message", "reset_fallback_warnings",
            "REASON_KINDS", "WARNING_KINDS", "unavailable_reason", "limit_reason",
            "has_fused_compensation", "has_fused_apply", "fused_state_dtypes",

@@ -6,9 +6,11 @@ Nothing here imports another transport, so every transport module can import it 
 
 from __future__ import annotations
 
+import abc
 import functools
 import os
 import re
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +31,93 @@ _PLATFORM_ALIASES = {"cuda": "cuda", "gpu": "cuda", "rocm": "rocm", "cpu": "cpu"
 #: The install line that rebuilds the custom-call modules against the jaxlib installed now
 #: (run in the echo_jax source folder; --no-deps keeps that jaxlib).
 REINSTALL = "`pip install --force-reinstall --no-deps -e .` in the echo_jax source folder"
+
+
+class Transport(abc.ABC):
+    """One way to carry out the Echo protocol (the Echo paper Sec. 4): the interface every
+    transport implements, as one object (`xla.TRANSPORT`, `cpu.TRANSPORT`, `cuda.TRANSPORT`).
+
+    A transport returns the bits of the "xla" transport (the reference) on every rank.
+    `echo_jax.transports.plan` asks these methods and attributes once per call site and passes
+    the chosen object, inside a frozen `CallPlan`, to the code that traces the call.
+
+    Capabilities are class attributes, so what a transport can fuse is read, never probed:
+
+    * ``name``: the value of `EchoConfig.transport` that names it ("xla", or "p2p" for both
+      custom calls).
+    * ``custom_call``: True for the XLA FFI custom calls: x enters the call in its own dtype
+      (fp32, bf16, fp16; the call widens it) and nothing around the call needs fp32.
+    * ``fused_state_dtypes``: the state dtypes (`EchoConfig.state_dtype`) its
+      `allreduce_compensated` takes; () where it has no fused compensated call.
+    * ``fused_apply``: whether it has `allreduce_applied` (the apply step alone in the call,
+      `EchoConfig.state_update="separate"`), for the state dtypes above.
+    """
+
+    name: ClassVar[str]
+    custom_call: ClassVar[bool] = False
+    fused_state_dtypes: ClassVar[tuple[str, ...]] = ()
+    fused_apply: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def unavailable(self, axis_name=None, platform=None, devices=None) -> tuple[str, str] | None:
+        """Why this transport cannot run here, as (kind, sentence with the fix), kinds from
+        `echo_jax.transports.REASON_KINDS`; None where it can.
+
+        Args:
+          axis_name: the axis to reduce over inside the trace here, if known.
+          platform: the platform asked about (default: the one a call traced here runs on).
+          devices: instead of the trace, the devices of one mesh axis.
+        """
+
+    def unavailable_reason(self, axis_name=None) -> str | None:
+        """`unavailable`'s sentence alone (None where the transport can run here)."""
+        found = self.unavailable(axis_name)
+        return None if found is None else found[1]
+
+    @abc.abstractmethod
+    def limit_reason(self, config, num_elements: int, num_ranks: int) -> str | None:
+        """Why the call's size rules this transport out (None when within its limits).
+
+        Args:
+          config: the call's EchoConfig.
+          num_elements: elements of one rank's flat contribution.
+          num_ranks: the size P of the reduced axis.
+        """
+
+    @abc.abstractmethod
+    def allreduce(self, x_flat, axis, num_ranks: int, config, factor=None):
+        """The quantized all-reduce of a flat contribution, the sum in x's dtype.
+
+        Args:
+          x_flat: [n] this rank's contribution (float32; bfloat16 / float16 where
+            ``custom_call``).
+          axis: the bound axis to reduce over.
+          num_ranks: its size P.
+          config: the EchoConfig the call runs (rotation="hadamard" only where
+            `fused_rotation(config)`).
+          factor: None, or the f32 power of two of the rescaling (the Echo paper Sec. 5.4).
+
+        Returns:
+          [n] in x's dtype, the same bits on every rank and every transport.
+        """
+
+    def fused_rotation(self, config) -> bool:
+        """Whether `allreduce` (and the fused calls) rotate by themselves for this config
+        (the bits of `echo_jax.transports.xla.rotated_allreduce`); False: rotate in JAX."""
+        return False
+
+    def allreduce_compensated(self, x_flat, m1, m2, axis, num_ranks: int, config, factor=None):
+        """Algorithm 1 of the Echo paper fused into the call: (y, m1_new, m2_new). Only where
+        ``fused_state_dtypes`` lists the state's dtype."""
+        raise NotImplementedError(f"the {self.name!r} transport has no fused compensated call")
+
+    def allreduce_applied(self, x_flat, m1, m2, axis, num_ranks: int, config, factor=None):
+        """The apply step (Eq. 10) fused into the call's entry pass, y alone; m1, m2 only read.
+        Only where ``fused_apply``."""
+        raise NotImplementedError(f"the {self.name!r} transport has no applied call")
+
+    def __repr__(self) -> str:
+        return f"<echo_jax transport {self.name!r} ({type(self).__name__})>"
 
 
 def segment_layout(num_elements: int, num_ranks: int, group_size: int):
@@ -235,7 +324,7 @@ def build_mismatch(info: dict, module: str) -> str | None:
             f"so that it is rebuilt against its headers: {REINSTALL}")
 
 
-__all__ = ["segment_layout", "typed_like_psum", "factor_operand", "current_platform", "on_gpu",
+__all__ = ["Transport", "segment_layout", "typed_like_psum", "factor_operand", "current_platform", "on_gpu",
            "platform_name", "context_reason", "trace_reason", "trace_or_processes",
            "limit_reason", "timeout_ms",
            "runtime_ffi_api", "build_mismatch", "REINSTALL",

@@ -20,7 +20,7 @@ from echo_jax import _compat
 from echo_jax import quant
 from echo_jax import rotation as rot
 from echo_jax.config import EchoConfig
-from echo_jax.transports.base import segment_layout
+from echo_jax.transports.base import Transport, segment_layout
 
 #: The value of `EchoConfig.transport` that names this transport.
 NAME = "xla"
@@ -171,5 +171,26 @@ def allreduce(x_flat, axis, num_ranks: int, config: EchoConfig, factor=None):
     return xla_allreduce_scaled(x_flat, axis, num_ranks, config, factor)
 
 
-__all__ = ["NAME", "unavailable_reason", "limit_reason", "allreduce", "fused_rotation",
+class XlaTransport(Transport):
+    """The pure-JAX transport as a `Transport`: runs everywhere, fuses nothing (the compensator
+    and, where the plan says so, the rotation run in JAX around `allreduce`)."""
+
+    name = NAME
+
+    def unavailable(self, axis_name=None, platform=None, devices=None):
+        del platform, devices
+        reason = unavailable_reason(axis_name)
+        return None if reason is None else ("context", reason)
+
+    def limit_reason(self, config, num_elements, num_ranks):
+        return limit_reason(config, num_elements, num_ranks)
+
+    def allreduce(self, x_flat, axis, num_ranks, config, factor=None):
+        return allreduce(x_flat, axis, num_ranks, config, factor)
+
+
+#: This transport, as the object the call plan holds.
+TRANSPORT = XlaTransport()
+
+__all__ = ["TRANSPORT", "XlaTransport", "NAME", "unavailable_reason", "limit_reason", "allreduce", "fused_rotation",
            "rotated_allreduce", "xla_allreduce", "xla_allreduce_scaled"]

@@ -245,8 +245,17 @@ def test_gpus_without_peer_access(monkeypatch, capsys):
     status, text, record = doctor(monkeypatch, capsys, gpu_devices(8))
     assert status == 1 and record["problems"] == 4
     assert [a["transport"] for a in record["axes"]] == ["p2p"] * 3 + ["xla"] * 4
-    assert "P=4   p2p\n  P=5   xla  [peer_access]  EchoFallbackWarning" in text
+    assert "P=4   p2p  (plans as above)\n  P=5   xla  [peer_access]  EchoFallbackWarning" in text
     assert "[peer_access] GPU 0 has no peer access to GPU 4" in text
+    # The plans of each axis: fused on the custom call, in JAX around the "xla" transport.
+    plans = {a["size"]: a["plans"] for a in record["axes"]}
+    assert plans[2]["compensated"].startswith("transport p2p (custom call), rotation none, "
+                                              "compensation fused, update in_call")
+    assert "rotation call, compensation fused" in plans[2]["compensated, rotated"]
+    assert "compensation applied, update separate" in plans[2]["compensated, separate update"]
+    assert plans[5]["compensated, rotated"].startswith(
+        "transport xla, rotation jax, compensation jax")
+    assert "(plans as above)" in text.split("P=6")[1].splitlines()[0]
 
 
 def test_too_many_ranks(monkeypatch, capsys):
@@ -261,7 +270,7 @@ def test_too_many_ranks(monkeypatch, capsys):
 
     status, text, _ = doctor(monkeypatch, capsys, gpu_devices(16), "--axis-size", "8", "16")
     assert status == 1
-    assert "P=8   p2p\n  P=16  xla  [ranks]  EchoFallbackWarning" in text
+    assert "  P=8   p2p\n" in text and "\n  P=16  xla  [ranks]  EchoFallbackWarning" in text
 
 
 def test_beyond_the_size_limits(monkeypatch):

@@ -245,32 +245,50 @@ def test_rotation_headroom_of_the_factor():
     assert float(f[0]) == 2.0 ** (9 - 2 - 4)  # max 3 = 0.75 * 2^2 lands in [16, 32)
 
 
+class _Bare(transports.base.Transport):
+    """A transport with the interface alone: no fused call, no rotation of its own."""
+
+    name = "bare"
+
+    def unavailable(self, axis_name=None, platform=None, devices=None):
+        return None
+
+    def limit_reason(self, config, num_elements, num_ranks):
+        return None
+
+    def allreduce(self, x_flat, axis, num_ranks, config, factor=None):
+        raise AssertionError("not called")
+
+
 def test_decisions():
     rot = ej.EchoConfig(rotation="hadamard")
     plain = ej.EchoConfig()
-    bare = types.SimpleNamespace(NAME="bare", allreduce=None, allreduce_compensated=None)
+    bare = _Bare()
+    CPU, XLA = transports.CPU, transports.XLA
     # The transports' own answers.
     assert cpu.fused_rotation(rot) and not xla.fused_rotation(rot)
-    assert transports.has_fused_rotation(cpu, rot)
-    assert not transports.has_fused_rotation(xla, rot)
-    assert not transports.has_fused_rotation(bare, rot)  # no fused_rotation: False
-    # The one decision of echo_psum (the rescaling does not enter it).
-    assert collective.fused_rotation(rot, cpu)
-    assert not collective.fused_rotation(rot, xla)
-    assert not collective.fused_rotation(rot, bare)
-    assert not collective.fused_rotation(rot, None)
-    assert not collective.fused_rotation(plain, cpu)
-    # Compensation stays fused with a fused rotation, rescaled or not, with an fp32 state or a
-    # bfloat16 one (the CPU call takes both); a transport without FUSED_STATE_DTYPES takes fp32.
-    assert collective.fused_compensation(rot, False, cpu)
-    assert collective.fused_compensation(rot, True, cpu)
-    assert not collective.fused_compensation(rot, False, bare)
-    assert not collective.fused_compensation(rot, False)
-    assert collective.fused_compensation(rot.replace(state_dtype="bfloat16"), False, cpu)
-    assert collective.fused_compensation(plain, True, bare)
-    assert not collective.fused_compensation(plain.replace(state_dtype="bfloat16"), True, bare)
-    with pytest.raises(ValueError, match="rescale"):
-        collective.fused_compensation(rot, "yes", cpu)
+    assert transports.has_fused_rotation(CPU, rot)
+    assert not transports.has_fused_rotation(XLA, rot)
+    assert not transports.has_fused_rotation(bare, rot)  # the interface's default: False
+    # The one decision of echo_psum's plan (the rescaling does not enter it).
+    modes = transports.call_modes
+    assert modes(CPU, rot) == ("call", "none", ())
+    assert modes(XLA, rot) == ("jax", "none", ())
+    assert modes(bare, rot) == ("jax", "none", ())
+    assert modes(CPU, plain) == ("none", "none", ())
+    # Compensation stays fused with a fused rotation, with an fp32 state or a bfloat16 one (the
+    # CPU call takes both); a transport without a fused call runs it in JAX.
+    assert modes(CPU, rot, "float32")[:2] == ("call", "fused")
+    assert modes(CPU, rot.replace(state_dtype="bfloat16"), "bfloat16")[:2] == ("call", "fused")
+    assert modes(bare, rot, "float32")[:2] == ("jax", "jax")
+    assert modes(bare, plain, "float32")[:2] == ("none", "jax")
+    # A custom call that rotates in JAX (CUDA beyond its largest rotated group) says why, and
+    # its compensator leaves the call.
+    big = ej.EchoConfig(rotation="hadamard", group_size=2048)
+    rotation, compensation, reasons = modes(transports.CUDA, big, "float32")
+    assert (rotation, compensation) == ("jax", "jax")
+    assert any("groups of 2048" in r for r in reasons)
+    assert any("compensation in JAX" in r for r in reasons)
 
 
 def _raw_call(nranks, n, cfg, **override):

@@ -117,20 +117,14 @@ def test_state_of_the_wrong_dtype_is_rejected():
 
 
 def test_a_bf16_state_is_fused_where_the_transport_takes_one():
-    assert collective.fused_compensation(ej.EchoConfig(), rescale=False)
-    # Not known which transport runs: only an fp32 state fuses.
-    assert not collective.fused_compensation(BF16, rescale=False)
     # The custom calls (CPU handler, CUDA kernels) take a bf16 state; the xla transport has no
     # fused call at all.
-    for t in (transports.cpu, transports.cuda):
+    for t in (transports.CPU, transports.CUDA):
         assert transports.fused_state_dtypes(t) == ("float32", "bfloat16")
-        assert collective.fused_compensation(BF16, rescale="auto", transport=t)
-    assert transports.fused_state_dtypes(transports.xla) == ()
-    assert not collective.fused_compensation(BF16, rescale=False, transport=transports.xla)
-    # The rescaling's factor is an operand of the fused call: rescaling keeps it fused.
-    assert collective.fused_compensation(ej.EchoConfig(), rescale=True)
-    assert collective.fused_compensation(ej.EchoConfig(), rescale="auto")
-    assert not collective.fused_compensation(ej.EchoConfig(rotation="hadamard"), rescale=False)
+        assert transports.call_modes(t, BF16, "bfloat16")[1] == "fused"
+        assert transports.call_modes(t, ej.EchoConfig(), "float32")[1] == "fused"
+    assert transports.fused_state_dtypes(transports.XLA) == ()
+    assert transports.call_modes(transports.XLA, BF16, "bfloat16")[1] == "jax"
 
 
 # --------------------------------------------------------------------------------------------

@@ -175,12 +175,11 @@ def test_applied_call_equals_xla_bit_for_bit(nranks, xdtype, state_dtype, rotati
 
 def test_applied_call_is_chosen_only_where_the_transport_has_it():
     cfg = ej.EchoConfig(state_update="separate")
-    assert transports.has_fused_apply(transports.cpu)
-    assert transports.has_fused_apply(transports.cuda)
-    assert not transports.has_fused_apply(transports.xla)
-    assert collective.fused_compensation(cfg, False, transports.cpu)
-    assert not collective.fused_compensation(cfg, False, None)
-    assert not collective.fused_compensation(cfg, False, transports.xla)
+    assert transports.has_fused_apply(transports.CPU)
+    assert transports.has_fused_apply(transports.CUDA)
+    assert not transports.has_fused_apply(transports.XLA)
+    assert transports.call_modes(transports.CPU, cfg, "float32")[1] == "applied"
+    assert transports.call_modes(transports.XLA, cfg, "float32")[1] == "jax"
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@
   import JAX.
 """
 
+import dataclasses
 import os
 import pkgutil
 import subprocess
@@ -53,12 +54,19 @@ def needs_cpu_call():
 
 
 def test_every_transport_has_the_interface():
-    for t in (xla, cpu, cuda):
-        assert t.NAME in ("xla", "p2p")
-        for name in ("unavailable_reason", "limit_reason", "allreduce"):
-            assert callable(getattr(t, name)), (t.__name__, name)
-    assert not transports.has_fused_compensation(xla)
-    assert transports.has_fused_compensation(cpu) and transports.has_fused_compensation(cuda)
+    for module in (xla, cpu, cuda):
+        t = module.TRANSPORT
+        assert isinstance(t, transports.base.Transport)
+        assert t.name == module.NAME in ("xla", "p2p")
+        assert t.custom_call == (module is not xla)
+    assert (transports.XLA, transports.CPU, transports.CUDA) == (
+        xla.TRANSPORT, cpu.TRANSPORT, cuda.TRANSPORT)
+    assert not transports.has_fused_compensation(transports.XLA)
+    assert transports.has_fused_compensation(transports.CPU)
+    assert transports.has_fused_compensation(transports.CUDA)
+    # The interface is abstract: a transport must say when it runs and how it reduces.
+    with pytest.raises(TypeError, match="abstract"):
+        transports.base.Transport()
 
 
 def test_xla_is_available_everywhere():
@@ -98,8 +106,8 @@ def test_cuda_reason_on_cpu():
 
 def test_select_outside_shard_map():
     auto, forced, pure = (ej.EchoConfig(transport=t) for t in ("auto", "p2p", "xla"))
-    assert transports.select(auto, "tp") is xla
-    assert transports.select(pure, "tp") is xla
+    assert transports.select(auto, "tp") is transports.XLA
+    assert transports.select(pure, "tp") is transports.XLA
     with pytest.raises(ValueError, match="EchoConfig.transport='p2p' cannot run here"):
         transports.select(forced, "tp")
     with pytest.raises(ValueError, match="^p2p_allreduce: EchoConfig.transport='p2p'"):
@@ -123,8 +131,8 @@ def test_select_inside_shard_map_and_the_kill_switch(monkeypatch):
         seen["names"] = (collective.resolve_transport(auto, "tp", 1000), p2p.choose(auto, "tp"))
 
     in_shard_map(probe)
-    assert seen["auto"] is cpu and seen["forced"] is cpu and seen["override"] is cpu
-    assert seen["big"] is xla
+    assert seen["auto"] is seen["forced"] is seen["override"] is transports.CPU
+    assert seen["big"] is transports.XLA
     assert seen["names"] == ("p2p", "p2p")
     with pytest.raises(ValueError, match="group_size=131072 exceeds"):
         in_shard_map(lambda v: transports.select(big.replace(transport="p2p"), "tp", 1000))
@@ -132,7 +140,7 @@ def test_select_inside_shard_map_and_the_kill_switch(monkeypatch):
     monkeypatch.setenv(transports.FORCE_XLA_ENV, "1")
     in_shard_map(lambda v: seen.update(env=transports.select(forced, "tp", 1000),
                                        explicit=p2p.choose(forced, "tp")))
-    assert seen["env"] is xla               # echo_psum honours the kill switch
+    assert seen["env"] is transports.XLA    # echo_psum honours the kill switch
     assert seen["explicit"] == "p2p"        # the explicit p2p entry points do not
 
 
@@ -140,33 +148,46 @@ def test_select_inside_shard_map_and_the_kill_switch(monkeypatch):
 # The fused compensated path is chosen by capability, not by the name "p2p"
 
 
-def _fake_transport(fused: bool, calls: list):
-    """A transport named "fake" that runs the xla transport and records what echo_psum calls."""
+class _FakeTransport(transports.base.Transport):
+    """A custom-call-like transport that runs the xla transport and records what echo_psum
+    calls; with `fused`, it has a fused compensated call (fp32 state only)."""
 
-    def allreduce(x, axis, num_ranks, config, factor=None):
-        calls.append("allreduce")
+    name = "fake"
+    custom_call = True
+
+    def __init__(self, fused: bool, calls: list):
+        self.calls = calls
+        self.fused_state_dtypes = ("float32",) if fused else ()
+
+    def unavailable(self, axis_name=None, platform=None, devices=None):
+        return None
+
+    def limit_reason(self, config, num_elements, num_ranks):
+        return None
+
+    def allreduce(self, x, axis, num_ranks, config, factor=None):
+        self.calls.append("allreduce")
         return xla.allreduce(x, axis, num_ranks, config, factor=factor)
 
-    def allreduce_compensated(x, m1, m2, axis, num_ranks, config, factor=None):
-        calls.append("allreduce_compensated")
+    def allreduce_compensated(self, x, m1, m2, axis, num_ranks, config, factor=None):
+        self.calls.append("allreduce_compensated")
         k = compensator.Coefficients.from_config(config)
         state = compensator.CompensatorState(m1, m2)
         xp = compensator.apply_correction(x.astype(jnp.float32), state, k)
         y = xla.xla_allreduce_scaled(xp, axis, num_ranks, config, factor)
         new = compensator.update_state(xp, y, num_ranks, state, k)
-        return y.astype(x.dtype), new.m1, new.m2
+        return y.astype(x.dtype), new.m1.reshape(m1.shape), new.m2.reshape(m2.shape)
 
-    t = types.SimpleNamespace(NAME="fake", unavailable_reason=lambda axis_name=None: None,
-                              limit_reason=lambda *a: None, allreduce=allreduce)
-    if fused:
-        t.allreduce_compensated = allreduce_compensated
-    return t
+
+def _use(monkeypatch, transport):
+    """Makes every plan choose `transport` (the transport choice `plan` makes once)."""
+    monkeypatch.setattr(transports, "_decide", lambda *a, **k: (transport, None))
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_fused_path_follows_the_capability(monkeypatch, fused):
     calls = []
-    monkeypatch.setattr(transports, "select", lambda *a, **k: _fake_transport(fused, calls))
+    _use(monkeypatch, _FakeTransport(fused, calls))
     cfg = ej.EchoConfig()
     x = jax.random.normal(jax.random.key(0), (2, 300))
 
@@ -185,13 +206,88 @@ def test_fused_path_follows_the_capability(monkeypatch, fused):
 
 def test_rotation_and_bf16_state_stay_unfused(monkeypatch):
     calls = []
-    monkeypatch.setattr(transports, "select", lambda *a, **k: _fake_transport(True, calls))
+    _use(monkeypatch, _FakeTransport(True, calls))
     x = jax.random.normal(jax.random.key(1), (2, 256))
     for cfg in (ej.EchoConfig(rotation="hadamard"), ej.EchoConfig(state_dtype="bfloat16")):
         calls.clear()
         jax.vmap(lambda v, c=cfg: ej.echo_psum(v, "tp", config=c, state=ej.init_state(v, c)),
                  axis_name="tp")(x)
         assert calls and "allreduce_compensated" not in calls, (cfg, calls)
+
+
+# --------------------------------------------------------------------------------------------
+# The call plan: decided once per call site
+
+
+def _count_decisions(monkeypatch):
+    """Counts the transport decisions (`transports._decide`, behind `select` and `plan`)."""
+    seen = []
+    real = transports._decide
+
+    def counting(*args, **kwargs):
+        seen.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transports, "_decide", counting)
+    return seen
+
+
+@pytest.mark.parametrize("cfg", [
+    ej.EchoConfig(),
+    ej.EchoConfig(rotation="hadamard"),
+    ej.EchoConfig(state_update="separate"),
+    ej.EchoConfig(transport="xla", rotation="hadamard"),
+], ids=["plain", "rotated", "separate", "xla-rotated"])
+def test_the_plan_is_made_once_per_call_site(monkeypatch, cfg):
+    needs_cpu_call()
+    seen = _count_decisions(monkeypatch)
+    mesh = make_mesh((4,), ("tp",))
+    x = put(np.arange(4 * 512, dtype=np.float32).reshape(4, 512) / 100.0, mesh, P("tp"))
+
+    def site(v):
+        y, st = ej.echo_psum(v, "tp", config=cfg, state=ej.init_state(v, axis_name="tp"))
+        z = ej.echo_psum(y * 0.5, "tp", config=cfg)  # a second site: a second plan
+        return y + z, st.m1
+
+    def loss(v):
+        out, m1 = jax.shard_map(site, mesh=mesh, in_specs=P("tp"),
+                                out_specs=(P("tp"), P("tp")))(v)
+        return jnp.sum(out ** 2) + jnp.sum(m1)
+
+    jax.jit(loss).lower(x)
+    assert len(seen) == 2, seen  # one decision per call site, none inside the call
+    seen.clear()
+    jax.jit(jax.grad(loss)).lower(x)  # the derivative rules re-trace the calls, not the plan
+    assert len(seen) == 2, seen
+
+
+def test_the_plan_names_every_choice_and_fallback():
+    needs_cpu_call()
+    got = {}
+
+    def probe(v):
+        got["fused"] = transports.plan(ej.EchoConfig(), "tp", 1000, state_dtype="float32")
+        got["rot"] = transports.plan(ej.EchoConfig(rotation="hadamard"), "tp", 1000)
+        got["xla"] = transports.plan(ej.EchoConfig(transport="xla", rotation="hadamard"), "tp",
+                                     1000, state_dtype="float32", rescale=False)
+        got["big"] = transports.plan(ej.EchoConfig(group_size=1 << 17), "tp", 1000)
+
+    in_shard_map(probe)
+    fused, rot, pure, big = got["fused"], got["rot"], got["xla"], got["big"]
+    assert (fused.transport, fused.compensation, fused.update, fused.direct) == (
+        transports.CPU, "fused", "in_call", True)
+    assert fused.factor_in == "call" and fused.reasons == ()
+    assert (rot.rotation, rot.config.rotation, rot.compensation) == ("call", "hadamard", "none")
+    assert (pure.transport, pure.rotation, pure.compensation, pure.direct) == (
+        transports.XLA, "jax", "jax", False)
+    assert pure.config.rotation == "none" and pure.factor_in == "none"
+    assert big.transport is transports.XLA
+    assert big.reasons and "group_size=131072 exceeds" in big.reasons[0]
+    assert "not the custom call" in big.describe()
+    # Frozen and hashable: a static argument of the functions that trace the call.
+    assert hash(fused) == hash(dataclasses.replace(fused))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fused.rotation = "jax"
 
 
 # --------------------------------------------------------------------------------------------
