@@ -427,7 +427,7 @@ def _echo_float(x, state, axis, config: EchoConfig, rescale: bool):
         # The apply step in the call's entry pass; the update after it as its own op.
         y = _applied_allreduce_f32(flat, state.m1, state.m2, factor, axis, num_ranks, plan)
         y = y.reshape(shape)
-        return y, _update_after(x, y, num_ranks, state, config)
+        return y, _update_after(x, y, num_ranks, state, plan)
     if plan.compensation == "fused":
         # Fused compensation (Sec. 5.3): the apply step runs in the call's entry pass and the
         # state update inside the call, with the fp32 sum (unrotated first where the call
@@ -454,7 +454,7 @@ def _echo_float(x, state, axis, config: EchoConfig, rescale: bool):
     if state is None:
         return y, None
     if plan.update == "separate":
-        return y, _update_after(x, y, num_ranks, state, config)
+        return y, _update_after(x, y, num_ranks, state, plan)
     new = comp.update_state(x32, y32, num_ranks, m, k)
     # The state carries no derivative on any path (the fused call's rule too): it is feedback
     # for the next call, not a function of x to differentiate.
@@ -462,13 +462,18 @@ def _echo_float(x, state, axis, config: EchoConfig, rescale: bool):
     return y, comp.CompensatorState(new.m1.reshape(shape), new.m2.reshape(shape))
 
 
-def _update_after(x, y, num_ranks, state, config):
-    """The separate update (`state_update="separate"`): `compensator.update_beside` on x, y and
-    the state as the call read it, on the GPU stream of ECHO_JAX_UPDATE_STREAM on GPUs."""
-    stream = comp.update_stream() if transports.base.on_gpu() else 0
+def _update_after(x, y, num_ranks, state, plan):
+    """The separate update (`state_update="separate"`) on x, y and the state as the call read
+    it: the transport's one-pass kernel where the plan says so (`CallPlan.separate_update`),
+    else `compensator.update_beside` in JAX (on the GPU stream of ECHO_JAX_UPDATE_STREAM on
+    GPUs). The same bits either way."""
     x, y = lax.stop_gradient(x), lax.stop_gradient(y)  # the state carries no derivative
-    new = comp.update_beside(x, y, num_ranks, state, comp.Coefficients.from_config(config),
-                             stream)
+    if plan.separate_update == "kernel":
+        new = plan.transport.update_separate(x, y, state, num_ranks, plan.config)
+    else:
+        stream = comp.update_stream() if transports.base.on_gpu() else 0
+        new = comp.update_beside(x, y, num_ranks, state,
+                                 comp.Coefficients.from_config(plan.config), stream)
     return jax.tree.map(lax.stop_gradient, new)
 
 

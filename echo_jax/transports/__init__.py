@@ -308,6 +308,9 @@ class CallPlan:
     #: The update step, where compensated: "in_call" (with the sum, inside the call or right
     #: after it in JAX) or "separate" (`compensator.update_beside`, after the call on its own).
     update: str = "none"
+    #: Where update "separate" runs: "kernel" (the transport's one-pass `update_separate`) or
+    #: "jax" (`compensator.update_beside`); "none" otherwise.
+    separate_update: str = "none"
     #: echo_psum's rescale (False, True, "auto"): the factor is taken from x in JAX; it is an
     #: operand of the transport's call, or applied in JAX around it with a JAX rotation.
     rescale: bool | str = False
@@ -337,7 +340,8 @@ class CallPlan:
         parts = [f"transport {name}", f"rotation {self.rotation}",
                  f"compensation {self.compensation}"]
         if self.compensation != "none":
-            parts.append(f"update {self.update}")
+            parts.append(f"update {self.update}" + (
+                f" ({self.separate_update})" if self.update == "separate" else ""))
         parts.append(f"rescale factor {self.factor_in}")
         text = ", ".join(parts)
         if self.reasons:
@@ -400,7 +404,12 @@ def plan_with(transport: base.Transport, config: EchoConfig, *, state_dtype=None
         reasons = (f"not the custom call: {fallback}",) + reasons
     call_config = config.replace(rotation="none") if rotation == "jax" else config
     update = "none" if state_dtype is None else config.state_update
-    return CallPlan(transport, call_config, rotation, compensation, update, rescale, reasons)
+    separate = "none"
+    if update == "separate":
+        separate = "kernel" if (transport.separate_update and state_dtype
+                                in fused_state_dtypes(transport)) else "jax"
+    return CallPlan(transport, call_config, rotation, compensation, update, separate, rescale,
+                    reasons)
 
 
 def call_modes(transport: base.Transport, config: EchoConfig,

@@ -51,12 +51,15 @@ class Transport(abc.ABC):
       `allreduce_compensated` takes; () where it has no fused compensated call.
     * ``fused_apply``: whether it has `allreduce_applied` (the apply step alone in the call,
       `EchoConfig.state_update="separate"`), for the state dtypes above.
+    * ``separate_update``: whether it has `update_separate`, the separate update as one pass of
+      its own (else the plan runs `compensator.update_beside`, in JAX).
     """
 
     name: ClassVar[str]
     custom_call: ClassVar[bool] = False
     fused_state_dtypes: ClassVar[tuple[str, ...]] = ()
     fused_apply: ClassVar[bool] = False
+    separate_update: ClassVar[bool] = False
 
     @abc.abstractmethod
     def unavailable(self, axis_name=None, platform=None, devices=None) -> tuple[str, str] | None:
@@ -115,6 +118,11 @@ class Transport(abc.ABC):
         """The apply step (Eq. 10) fused into the call's entry pass, y alone; m1, m2 only read.
         Only where ``fused_apply``."""
         raise NotImplementedError(f"the {self.name!r} transport has no applied call")
+
+    def update_separate(self, x, y, state, num_ranks: int, config):
+        """The separate update (x' from x and the state, u = x' - y / P, the two averages) in
+        one pass: the bits of `compensator.update_beside`. Only where ``separate_update``."""
+        raise NotImplementedError(f"the {self.name!r} transport has no separate update")
 
     def __repr__(self) -> str:
         return f"<echo_jax transport {self.name!r} ({type(self).__name__})>"

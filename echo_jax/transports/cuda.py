@@ -49,6 +49,8 @@ POLICY_CODES = policies.CODES
 
 #: The state dtypes (`EchoConfig.state_dtype`) the fused compensated kernels take.
 FUSED_STATE_DTYPES = ("float32", "bfloat16")
+#: The contribution dtypes of the calls and of `update_state`.
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def timeout_ms() -> int:
@@ -239,7 +241,7 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
     `echo_jax.collective.rescale_factor`), applied inside the kernels. With a state and
     `config.state_update="separate"` the applied call runs (the apply step inside, m1, m2 only
     read) and the update after it, `compensator.update_beside` on the stream of
-    ECHO_JAX_UPDATE_STREAM, as `echo_psum` does.
+        `update_state` (one pass), as `echo_psum` does.
     """
     register()
     num_ranks = x.shape[0]
@@ -257,8 +259,7 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
             flat, state.m1.reshape(flat.shape), state.m2.reshape(flat.shape),
             factor_operand(factor), **_attrs(config, num_ranks, True, applied=True))
         y = y.reshape(x.shape)
-        return y, comp.update_beside(x, y, num_ranks, state,
-                                     comp.Coefficients.from_config(config), comp.update_stream())
+        return y, update_state(x, y, state, num_ranks, config)
     m_type = jax.ShapeDtypeStruct(flat.shape, jnp.result_type(state.m1))
     y, m1, m2 = jax.ffi.ffi_call(
         "echo_allreduce_virtual_comp_cuda", (y_type, m_type, m_type),
@@ -266,6 +267,44 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
         flat, state.m1.reshape(flat.shape), state.m2.reshape(flat.shape), factor_operand(factor),
         **_attrs(config, num_ranks, True))
     return y.reshape(x.shape), comp.CompensatorState(m1.reshape(x.shape), m2.reshape(x.shape))
+
+
+def update_state(x, y, state: comp.CompensatorState, num_ranks: int, config: EchoConfig):
+    """The separate update (`EchoConfig.state_update="separate"`) as one CUDA kernel pass.
+
+    The arithmetic and bits of `compensator.update_beside` (x' recomputed from x, m1, m2 by
+    Eq. 10; u = x' - y / P, Eq. 4; the two averages, Eq. 11): each value of x, y, m1, m2 read
+    once, m1 and m2 written once, in place (input_output_aliases), where the JAX reference
+    takes several passes (its barriers against fused multiply-adds split XLA's fusion).
+    Elementwise: any shape, inside shard_map per rank or over virtual ranks [P, ...] at once.
+
+    Args:
+      x: the contribution before correction (float32, bfloat16 or float16).
+      y: the all-reduce's result for x' (x's shape and dtype).
+      state: the state the call read, in config.state_dtype (float32 or bfloat16), x's size.
+      num_ranks: P.
+      config: the call's EchoConfig (its coefficients).
+
+    Returns:
+      The new CompensatorState, in the state's dtype and shape.
+    """
+    register()
+    if jnp.result_type(x) not in DTYPES or jnp.result_type(y) != jnp.result_type(x):
+        raise ValueError(f"update_state: x and y must be one of {[str(d) for d in DTYPES]} and "
+                         f"of one dtype, got {jnp.result_type(x)} and {jnp.result_type(y)}")
+    comp.check_state(state, state.m1, "update_state", config)
+    if not jnp.size(x) == jnp.size(y) == jnp.size(state.m1):
+        raise ValueError(f"update_state: x, y and the state must have one size, got "
+                         f"{jnp.size(x)}, {jnp.size(y)} and {jnp.size(state.m1)}")
+    k = comp.Coefficients.from_config(config)
+    f32 = np.float32
+    m_type = jax.ShapeDtypeStruct(jnp.shape(state.m1), jnp.result_type(state.m1))
+    m1, m2 = jax.ffi.ffi_call("echo_state_update_cuda", (m_type, m_type),
+                              input_output_aliases={2: 0, 3: 1}, vmap_method="broadcast_all")(
+        x, y, state.m1, state.m2, ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1),
+        b2=f32(k.b2), c2=f32(k.c2), inv_p=f32(1.0 / int(num_ranks)))
+    varying = frozenset().union(*(_compat.varying_axes(o) for o in (x, y, state.m1, state.m2)))
+    return comp.CompensatorState(_compat.to_varying(m1, varying), _compat.to_varying(m2, varying))
 
 
 def mesh_groups(axis, num_ranks: int) -> np.ndarray | None:
@@ -430,6 +469,7 @@ class CudaTransport(base.Transport):
     custom_call = True
     fused_state_dtypes = FUSED_STATE_DTYPES
     fused_apply = True
+    separate_update = True
 
     def unavailable(self, axis_name=None, platform=None, devices=None):
         return unavailable(axis_name, platform=platform, devices=devices)
@@ -449,11 +489,14 @@ class CudaTransport(base.Transport):
     def allreduce_applied(self, x_flat, m1, m2, axis, num_ranks, config, factor=None):
         return allreduce_applied(x_flat, m1, m2, axis, num_ranks, config, factor=factor)
 
+    def update_separate(self, x, y, state, num_ranks, config):
+        return update_state(x, y, state, num_ranks, config)
+
 
 #: This transport, as the object the call plan holds.
 TRANSPORT = CudaTransport()
 
-__all__ = ["TRANSPORT", "CudaTransport", "NAME", "unavailable", "unavailable_reason", "module_reason", "peer_access_reason",
+__all__ = ["TRANSPORT", "CudaTransport", "update_state", "DTYPES", "NAME", "unavailable", "unavailable_reason", "module_reason", "peer_access_reason",
            "can_access_peer", "ARCHITECTURES_KEY", "BUILD_FIX", "limit_reason", "allreduce",
            "allreduce_compensated", "allreduce_applied",
            "fused_rotation", "MAX_ROTATED_GROUP", "FUSED_STATE_DTYPES", "available", "build_info",

@@ -186,6 +186,51 @@ def test_applied_call_is_chosen_only_where_the_transport_has_it():
 # the stream annotation
 
 
+def test_the_plan_runs_the_separate_update_as_one_pass_where_the_transport_has_one():
+    cfg = ej.EchoConfig(state_update="separate")
+    cuda_plan = transports.plan_with(transports.CUDA, cfg, state_dtype="float32")
+    assert (cuda_plan.compensation, cuda_plan.separate_update) == ("applied", "kernel")
+    assert "update separate (kernel)" in cuda_plan.describe()
+    for t in (transports.CPU, transports.XLA):
+        assert transports.plan_with(t, cfg, state_dtype="float32").separate_update == "jax"
+    assert transports.plan_with(transports.CUDA, cfg.replace(state_update="in_call"),
+                                state_dtype="float32").separate_update == "none"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("xdtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_the_cuda_update_kernel_is_the_reference_bit_for_bit(xdtype, state_dtype):
+    from conftest import cuda_handlers
+    cuda_handlers()  # skips without a GPU; fails where one is present and the module is not
+    from echo_jax.transports import cuda
+    nranks = 4
+    cfg = ej.EchoConfig(state_update="separate", state_dtype=state_dtype)
+    k = comp.Coefficients.from_config(cfg)
+    kernel = jax.jit(lambda x, y, s: cuda.update_state(x, y, s, nranks, cfg))
+    reference = jax.jit(lambda x, y, s: comp.update_beside(x, y, nranks, s, k, 0))
+    for n in (1, 7, 8, 1000, 4099, 1 << 20):  # the packed loop, its tail, the one-by-one path
+        x = jax.random.normal(jax.random.key(n), (nranks, n)).astype(xdtype)
+        y = (nranks * jax.random.normal(jax.random.key(n + 1), (nranks, n))).astype(xdtype)
+        if n >= 8:  # non-finite values: the same NaN / inf positions as the reference
+            x = x.at[0, 3].set(jnp.inf).at[1, 5].set(jnp.nan)
+        st = random_state(x.shape, n)
+        st = comp.CompensatorState(st.m1.astype(state_dtype), st.m2.astype(state_dtype))
+        got, want = kernel(x, y, st), reference(x, y, st)
+        for g, w, what in ((got.m1, want.m1, "m1"), (got.m2, want.m2, "m2")):
+            assert g.dtype == w.dtype == jnp.dtype(state_dtype) and g.shape == w.shape
+            g32, w32 = np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
+            np.testing.assert_array_equal(np.isnan(g32), np.isnan(w32), err_msg=what)
+            finite = ~np.isnan(w32)
+            np.testing.assert_array_equal(g32[finite].view(np.uint32),
+                                          w32[finite].view(np.uint32), err_msg=f"{what} n={n}")
+        if state_dtype == "float32" and n >= 8:  # and against NumPy, from the formulas
+            r1, r2 = ref_update(x, st.m1, st.m2, y, nranks, cfg)
+            ok = np.isfinite(r1)
+            np.testing.assert_array_equal(bits(got.m1)[ok], r1.view(np.uint32)[ok])
+            np.testing.assert_array_equal(bits(got.m2)[ok], r2.view(np.uint32)[ok])
+
+
 def _lowered(cfg, monkeypatch, on_gpu):
     monkeypatch.setattr(transports.base, "on_gpu", lambda: on_gpu)
     x = jnp.ones((2, 256))
