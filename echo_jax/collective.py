@@ -406,7 +406,8 @@ def _echo_float(x, state, axis, config: EchoConfig, rescale: bool):
     if state is not None:
         state = jax.tree.map(lax.stop_gradient, state)
         state = comp.to_varying_state(state, axis)
-        m = comp.CompensatorState(jnp.ravel(state.m1), jnp.ravel(state.m2))
+        m = comp.CompensatorState(jnp.ravel(state.m1), jnp.ravel(state.m2), state.s1,
+                                  state.s2)
     plan = transports.plan(config, axis, flat.shape[0], num_ranks=num_ranks,
                            state_dtype=None if state is None else config.state_dtype,
                            rescale=rescale)
@@ -459,7 +460,8 @@ def _echo_float(x, state, axis, config: EchoConfig, rescale: bool):
     # The state carries no derivative on any path (the fused call's rule too): it is feedback
     # for the next call, not a function of x to differentiate.
     new = jax.tree.map(lax.stop_gradient, new)
-    return y, comp.CompensatorState(new.m1.reshape(shape), new.m2.reshape(shape))
+    return y, comp.CompensatorState(new.m1.reshape(shape), new.m2.reshape(shape), new.s1,
+                                    new.s2)
 
 
 def _update_after(x, y, num_ranks, state, plan):

@@ -26,6 +26,21 @@ f32 -> bf16 -> f32). With "float32" nothing is rounded and every bit is as befor
 custom calls (CPU handler, CUDA kernels) take a bfloat16 state too and do the same in C++ (widen
 on load, round to nearest even on store), so every transport gives the same bits.
 
+The int8 state (`EchoConfig.state_dtype="int8"`): m1 and m2 are int8 codes in x's shape, and each
+has one fp32 scale per group of STATE_GROUP = 128 consecutive values of the rank's flattened
+array (`s1`, `s2` of `CompensatorState`, [ceil(size / 128)]; the last group may be short). A
+stored average v (fp32, one group) is
+
+    s = max|v| / 127           (correctly rounded; 0 for an all-zero group)
+    q = rne(v * (1 / s))       (the reciprocal and the product each rounded; clipped to +-127)
+
+and read back as q * s (rounded). A non-finite value makes its group's scale non-finite, so the
+whole group reads back NaN (as a non-finite value poisons its wire group). The rounding enters
+the next correction as a second-order term: each rank's residual u is data-scale, and 8 bits
+with a per-group scale keep it to 1/254 of its group's largest value. Why a fixed group of 128
+rather than the site's g: the state flows from site to site, and sites may use different group
+sizes.
+
 Where the update runs (`EchoConfig.state_update`): "in_call" inside the all-reduce, where y is
 produced; "separate" as its own op after the call (`update_beside`, the Echo paper Sec. 5.3 and
 Appendix C): it recomputes x' from x, m1, m2 and takes y as the call returned it, and on GPUs it
@@ -48,12 +63,25 @@ from echo_jax.config import EchoConfig
 from echo_jax.quant import _no_fma
 
 
+#: Values per scale of the int8 state (`EchoConfig.state_dtype="int8"`).
+STATE_GROUP = 128
+
+
 class CompensatorState(NamedTuple):
     """State of one compensated site sequence, per rank: arrays of x's per-rank shape, in the
-    state dtype (`EchoConfig.state_dtype`; fp32 by default)."""
+    state dtype (`EchoConfig.state_dtype`; fp32 by default). With the int8 state, m1 and m2 are
+    the codes and s1, s2 their per-group fp32 scales ([ceil(size / STATE_GROUP)]); None for
+    the other state dtypes."""
 
     m1: jax.Array
     m2: jax.Array
+    s1: jax.Array | None = None
+    s2: jax.Array | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether m1, m2 are int8 codes with per-group scales s1, s2."""
+        return self.s1 is not None
 
 
 def state_dtype(config: EchoConfig | None = None, dtype=None):
@@ -141,7 +169,11 @@ def init_state(x, config: EchoConfig | None = None, *, dtype=None, axis_name=Non
         except TypeError:  # a ShapeDtypeStruct without a type JAX reads
             varying = frozenset()
         z = _compat.to_varying(jnp.zeros(jnp.shape(leaf), dt), tuple(varying) + axes)
-        return CompensatorState(z, z)
+        if dt != jnp.int8:
+            return CompensatorState(z, z)
+        s = _compat.to_varying(jnp.zeros((num_state_groups(jnp.size(leaf)),), jnp.float32),
+                               tuple(varying) + axes)
+        return CompensatorState(z, z, s, s)
 
     return jax.tree.map(one, x)
 
@@ -165,8 +197,44 @@ class Coefficients:
                    f(config.beta2), f(1.0 - config.beta2))
 
 
-def _widen(m):
-    """A stored average as fp32 (exact for a bfloat16 state; no op for fp32)."""
+def num_state_groups(size: int) -> int:
+    """Scales of an int8 state array of `size` values: ceil(size / STATE_GROUP)."""
+    return -(-int(size) // STATE_GROUP)
+
+
+def _grouped(v, size: int):
+    """A flat array of `size` values as [groups, STATE_GROUP], zero-padded."""
+    groups = num_state_groups(size)
+    return jnp.pad(jnp.ravel(v), (0, groups * STATE_GROUP - size)).reshape(groups, STATE_GROUP)
+
+
+def quantize_state(v32):
+    """An fp32 average (any shape) as the int8 state's (codes in v's shape, scales): per group
+    of STATE_GROUP values of the flattened array, s = max|v| / 127, q = rne(v * (1 / s)),
+    clipped to [-127, 127] (module docstring). A group with a non-finite value gets a
+    non-finite scale and codes 0."""
+    size = int(jnp.size(v32))
+    g = _grouped(v32.astype(jnp.float32), size)
+    amax = jnp.max(jnp.abs(g), axis=1)
+    scale = amax / np.float32(127)
+    usable = jnp.isfinite(scale) & (scale > 0)
+    inv = jnp.where(usable, np.float32(1) / jnp.where(usable, scale, np.float32(1)),
+                    np.float32(0))
+    q = jnp.clip(jnp.round(g * inv[:, None]), -127, 127).astype(jnp.int8)
+    return q.reshape(-1)[:size].reshape(jnp.shape(v32)), scale
+
+
+def dequantize_state(q, scale):
+    """The int8 state's codes (any shape) and scales as fp32 values in q's shape: q * s."""
+    size = int(jnp.size(q))
+    g = _grouped(q.astype(jnp.float32), size)
+    return (g * scale[:, None]).reshape(-1)[:size].reshape(jnp.shape(q))
+
+
+def _widen(m, scale=None):
+    """A stored average as fp32 (exact for a bfloat16 state; no op for fp32; q * s for int8)."""
+    if scale is not None:
+        return dequantize_state(m, scale)
     return m if jnp.result_type(m) == jnp.float32 else m.astype(jnp.float32)
 
 
@@ -182,9 +250,25 @@ def _store(v32, dtype):
     return lax.reduce_precision(v32, exponent_bits=8, mantissa_bits=7).astype(dtype)
 
 
+def moments(state: CompensatorState):
+    """(m1, m2) of a state as fp32 values in their shape, whatever the state dtype."""
+    return _widen(state.m1, state.s1), _widen(state.m2, state.s2)
+
+
+def stored_like(n1, n2, state: CompensatorState) -> CompensatorState:
+    """New fp32 averages n1, n2 stored in the format of `state` (its dtype; int8 codes and
+    scales for an int8 state)."""
+    if state.quantized:
+        (q1, s1), (q2, s2) = quantize_state(n1), quantize_state(n2)
+        return CompensatorState(q1, q2, s1, s2)
+    return CompensatorState(_store(n1, jnp.result_type(state.m1)),
+                            _store(n2, jnp.result_type(state.m2)))
+
+
 def apply_correction(x32, state: CompensatorState, k: Coefficients):
     """x' = x + eta (a m1 + (1 - a) m2), in fp32 (Eq. 10); the state is widened to fp32."""
-    p1, p2 = _no_fma(k.ea * _widen(state.m1), k.eb * _widen(state.m2))
+    m1, m2 = moments(state)
+    p1, p2 = _no_fma(k.ea * m1, k.eb * m2)
     return x32 + (p1 + p2)
 
 
@@ -192,15 +276,14 @@ def update_state(x_prime, y32, num_ranks: int, state: CompensatorState,
                  k: Coefficients) -> CompensatorState:
     """Residual u = x' - y/P and the two moving averages (Eq. 4 and Eq. 11), in fp32.
 
-    The new m1, m2 are returned in the dtype of `state`'s (rounded to nearest even if that is
-    bfloat16; unchanged bits for fp32).
+    The new m1, m2 are returned in the format of `state`'s (rounded to nearest even if that is
+    bfloat16; unchanged bits for fp32; codes and scales for int8, `stored_like`).
     """
     t = _no_fma(y32 * np.float32(1.0 / num_ranks))
     u = x_prime - t
-    q1, r1, q2, r2 = _no_fma(k.b1 * _widen(state.m1), k.c1 * u, k.b2 * _widen(state.m2),
-                             k.c2 * u)
-    return CompensatorState(_store(q1 + r1, jnp.result_type(state.m1)),
-                            _store(q2 + r2, jnp.result_type(state.m2)))
+    m1, m2 = moments(state)
+    q1, r1, q2, r2 = _no_fma(k.b1 * m1, k.c1 * u, k.b2 * m2, k.c2 * u)
+    return stored_like(q1 + r1, q2 + r2, state)
 
 
 #: Environment variable: the GPU stream (an int >= 1) the separate update runs on
@@ -250,8 +333,7 @@ def update_beside(x, y, num_ranks: int, state: CompensatorState, k: Coefficients
       The new CompensatorState, in the state's dtype and shape.
     """
 
-    def update(x, y, m1, m2):
-        m = CompensatorState(m1, m2)
+    def update(x, y, m):
         x_prime = apply_correction(x.astype(jnp.float32), m, k)
         return tuple(update_state(x_prime, y.astype(jnp.float32), num_ranks, m, k))
 
@@ -260,8 +342,7 @@ def update_beside(x, y, num_ranks: int, state: CompensatorState, k: Coefficients
 
         update = compute_on(compute_type=f"gpu_stream:{int(stream)}",
                             out_memory_spaces=jax.memory.Space.Device)(update)
-    m1, m2 = update(x, y, state.m1, state.m2)
-    return CompensatorState(m1, m2)
+    return CompensatorState(*update(x, y, state))
 
 
 def to_varying_state(state: CompensatorState | None, axis) -> CompensatorState | None:
@@ -274,29 +355,43 @@ def to_varying_state(state: CompensatorState | None, axis) -> CompensatorState |
     """
     if state is None:
         return None
-    return CompensatorState(_compat.to_varying(state.m1, axis), _compat.to_varying(state.m2, axis))
+    return jax.tree.map(lambda a: _compat.to_varying(a, axis), state)
 
 
 def check_state(state, x, where: str = "echo_psum", config: EchoConfig | None = None) -> None:
     """Raise a ValueError that names the problem if `state` does not fit contribution `x`.
 
-    The state's dtype must be config.state_dtype (float32 when config is None).
+    The state's dtype must be config.state_dtype (float32 when config is None); an int8 state
+    has fp32 scales s1, s2 of ceil(size / STATE_GROUP) values, the others none.
     """
     if not isinstance(state, CompensatorState):
         raise ValueError(
             f"{where}: state must be a CompensatorState(m1, m2) (see echo_jax.init_state), "
             f"got {type(state).__name__}")
+    want = jnp.dtype(config.state_dtype if config is not None else jnp.float32)
     for name, arr in (("m1", state.m1), ("m2", state.m2)):
         if jnp.shape(arr) != jnp.shape(x):
             raise ValueError(f"{where}: state.{name} has shape {jnp.shape(arr)} but the "
                              f"contribution has shape {jnp.shape(x)}; use init_state(x)")
-        want = jnp.dtype(config.state_dtype if config is not None else jnp.float32)
         if jnp.result_type(arr) != want:
             raise ValueError(
                 f"{where}: state.{name} must be {want} (EchoConfig.state_dtype="
                 f"{want.name!r}), got {jnp.result_type(arr)}; use init_state(x, config)")
+    groups = (num_state_groups(jnp.size(x)),)
+    for name, arr in (("s1", state.s1), ("s2", state.s2)):
+        if want != jnp.int8:
+            if arr is not None:
+                raise ValueError(f"{where}: state.{name} is set, but only an int8 state has "
+                                 "scales; use init_state(x, config)")
+        elif arr is None or jnp.shape(arr) != groups or jnp.result_type(arr) != jnp.float32:
+            raise ValueError(
+                f"{where}: an int8 state needs float32 scales state.{name} of shape {groups} "
+                f"(one per {STATE_GROUP} values), got "
+                f"{None if arr is None else (jnp.shape(arr), str(jnp.result_type(arr)))}; "
+                "use init_state(x, config)")
 
 
-__all__ = ["CompensatorState", "init_state", "leaf_kind", "state_dtype", "Coefficients",
+__all__ = ["CompensatorState", "STATE_GROUP", "num_state_groups", "quantize_state",
+           "dequantize_state", "moments", "stored_like", "init_state", "leaf_kind", "state_dtype", "Coefficients",
            "apply_correction", "update_state", "update_beside", "update_stream",
            "UPDATE_STREAM_ENV", "to_varying_state"]

@@ -18,7 +18,7 @@ POLICIES = _policies.NAMES
 TRANSPORTS = ("auto", "p2p", "xla")
 BITS = (4, 8)
 ROTATIONS = ("none", "hadamard")
-STATE_DTYPES = ("float32", "bfloat16")
+STATE_DTYPES = ("float32", "bfloat16", "int8")
 STATE_UPDATES = ("in_call", "separate")
 
 
@@ -58,7 +58,9 @@ class EchoConfig:
         apply and update steps compute in fp32 either way; a bfloat16 state is widened exactly
         and the new averages are rounded to nearest even when stored (`echo_jax.compensator`).
         The fused custom calls (CPU and CUDA) take either dtype, with the same bits as the
-        xla transport's apply and update steps in JAX.
+        xla transport's apply and update steps in JAX. "int8": m1, m2 as 8-bit codes with one
+        fp32 scale per 128 values (`echo_jax.compensator.STATE_GROUP`; a quarter of the fp32
+        state's bytes), run in JAX around the uncompensated call.
       state_update: where a compensated call's update step (Eq. 4 and 11) runs. "in_call"
         (default): inside the all-reduce, where y is produced (the fused custom calls' exit
         pass: the fewest bytes, but on the critical path). "separate": the call runs the apply

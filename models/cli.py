@@ -117,7 +117,7 @@ def add_comm_args(parser: argparse.ArgumentParser, default_bits: int = 16) -> No
     g.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="Echo transport: auto (the custom call where it can run, else XLA), "
                         "xla, or p2p. Simulated ranks always use xla.")
-    g.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32",
+    g.add_argument("--state-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
                    help="storage dtype of the compensator state m1, m2 (computed in fp32 "
                         "either way; bfloat16 rounds the stored state to nearest even). Default "
                         "float32.")

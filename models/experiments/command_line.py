@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only these rows (16bit always runs): 8bit-comp 8bit-none 4bit-comp "
                         "4bit-none 4bit-sym 4bit-naive early-8bit, and (only when named) "
                         "4bit-comp-bf16state (the compensator state stored in bfloat16), "
+                        "4bit-comp-int8state (int8 codes, one fp32 scale per 128 values), "
                         "4bit-comp-separate (EchoConfig.state_update='separate')")
 
     p = sub.add_parser("ablations", help="component ablations at 4 and 8 bits (Table 8)",

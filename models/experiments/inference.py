@@ -45,13 +45,15 @@ def inference_variants(tp: int, transport: str = "xla", extra: bool = False) -> 
     ] + ([
         Variant("4bit-comp-bf16state", "4-bit", "4-bit comp, bfloat16 state",
                 c(4, state_dtype="bfloat16")),
+        Variant("4bit-comp-int8state", "4-bit", "4-bit comp, int8 state (scale per 128)",
+                c(4, state_dtype="int8")),
         Variant("4bit-comp-separate", "4-bit", "4-bit comp, update as its own op",
                 c(4, state_update="separate")),
     ] if extra else [])
 
 
 #: Rows of the inference table that run only when --configs names them.
-EXTRA_INFERENCE = ("4bit-comp-bf16state", "4bit-comp-separate")
+EXTRA_INFERENCE = ("4bit-comp-bf16state", "4bit-comp-int8state", "4bit-comp-separate")
 
 
 def run_inference(args) -> dict:

@@ -83,7 +83,7 @@ def test_state_dtype_accepts_dtypes_and_names(value, name):
     assert ej.EchoConfig().state_dtype == "float32"
 
 
-@pytest.mark.parametrize("value", ["float16", "bf16", "float64", "int8", "", 16, 1.0, True, None,
+@pytest.mark.parametrize("value", ["float16", "bf16", "float64", "uint8", "", 16, 1.0, True, None,
                                    jnp.float16, np.float64, [1]])
 def test_state_dtype_rejects_other_values(value):
     with pytest.raises(ValueError, match=r"EchoConfig\.state_dtype must be one of"):

@@ -1,0 +1,135 @@
+"""`EchoConfig.state_dtype="int8"`: the compensator state as 8-bit codes with a per-group scale.
+
+Checked against a NumPy reference written here from the format's definition (compensator module
+docstring): per group of 128 consecutive values of a rank's flattened average, s = max|v| / 127
+rounded to fp32, q = rne(v * fp32(1 / s)) clipped to +-127, read back as fp32(q * s); Algorithm 1
+(Eqs. 4, 10, 11) in fp32 on the values read back. Also: zero and non-finite groups, init_state /
+check_state, the plan (no custom call takes an int8 state: it runs in JAX around the call), and a
+scan carry.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import echo_jax as ej
+from echo_jax import compensator as comp
+from echo_jax import transports
+from np_reference import coefficients
+
+F32 = np.float32
+INT8 = ej.EchoConfig(bits=4, transport="xla", state_dtype="int8")
+
+
+def ref_quantize(v):
+    """NumPy float64 reference of the int8 state: (codes, scales) of a flat fp32 array."""
+    v = np.asarray(v, F32).reshape(-1)
+    n = v.size
+    groups = -(-n // 128)
+    g = np.zeros(groups * 128, F32)
+    g[:n] = v
+    g = g.reshape(groups, 128)
+    amax = np.abs(g.astype(np.float64)).max(axis=1)
+    scale = (amax / 127.0).astype(F32)          # one rounding of the exact quotient
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(scale > 0, (1.0 / scale.astype(np.float64)).astype(F32), F32(0))
+    prod = (g.astype(np.float64) * inv[:, None].astype(np.float64)).astype(F32)
+    q = np.clip(np.round(prod), -127, 127).astype(np.int8)  # np.round: half to even
+    return q.reshape(-1)[:n], scale
+
+
+def ref_read(q, scale):
+    q = np.asarray(q).reshape(-1)
+    groups = np.repeat(np.asarray(scale, F32), 128)[: q.size]
+    return (q.astype(np.float64) * groups.astype(np.float64)).astype(F32)
+
+
+def test_the_format_matches_the_numpy_reference():
+    rng = np.random.default_rng(0)
+    for n in (1, 127, 128, 300, 1000):
+        v = (rng.standard_normal(n) * rng.choice([1e-6, 1.0, 3e4], size=n)).astype(F32)
+        q, s = comp.quantize_state(jnp.asarray(v))
+        rq, rs = ref_quantize(v)
+        assert q.dtype == jnp.int8 and q.shape == (n,) and s.shape == (-(-n // 128),)
+        np.testing.assert_array_equal(np.asarray(q), rq)
+        np.testing.assert_array_equal(np.asarray(s).view(np.uint32), rs.view(np.uint32))
+        back = np.asarray(comp.dequantize_state(q, s))
+        np.testing.assert_array_equal(back.view(np.uint32), ref_read(rq, rs).view(np.uint32))
+        # Within half a step of each group's scale.
+        assert np.all(np.abs(back - v) <= np.repeat(rs, 128)[:n] * 0.5 + 1e-30)
+
+
+def test_zero_and_non_finite_groups():
+    v = np.zeros(384, F32)
+    v[130] = np.nan
+    v[300] = 2.0
+    q, s = comp.quantize_state(jnp.asarray(v).reshape(3, 128))
+    back = np.asarray(comp.dequantize_state(q, s)).reshape(-1)
+    assert q.shape == (3, 128)
+    assert np.all(back[:128] == 0) and float(s[0]) == 0.0           # all zeros: exact
+    assert np.all(np.isnan(back[128:256]))                           # a NaN poisons its group
+    assert back[300] == 2.0 and np.all(back[256:300] == 0)           # the max is exact
+
+
+def test_init_and_check_state():
+    x = jnp.ones((3, 100), jnp.bfloat16)
+    st = ej.init_state(x, INT8)
+    assert st.quantized and st.m1.dtype == jnp.int8 and st.m1.shape == (3, 100)
+    assert st.s1.dtype == jnp.float32 and st.s1.shape == (3,)         # ceil(300 / 128)
+    assert not ej.init_state(x).quantized and ej.init_state(x).s1 is None
+    comp.check_state(st, x, config=INT8)
+    with pytest.raises(ValueError, match=r"int8 state needs float32 scales state\.s1"):
+        comp.check_state(ej.CompensatorState(st.m1, st.m2), x, config=INT8)
+    with pytest.raises(ValueError, match=r"only an int8 state has scales"):
+        comp.check_state(ej.CompensatorState(st.m1.astype(jnp.float32),
+                                             st.m2.astype(jnp.float32), st.s1, st.s2), x)
+
+
+def test_one_call_matches_algorithm_1_with_the_int8_store():
+    nranks, n = 4, 300
+    x = jax.random.normal(jax.random.key(1), (nranks, n))
+    m1 = 0.05 * jax.random.normal(jax.random.key(2), (nranks, n))
+    m2 = 0.05 * jax.random.normal(jax.random.key(3), (nranks, n))
+    st = jax.vmap(lambda a, b: comp.CompensatorState(*comp.quantize_state(a),
+                                                     *comp.quantize_state(b))[::1])(m1, m2)
+    st = comp.CompensatorState(st[0], st[2], st[1], st[3])  # (q1, q2, s1, s2)
+    f = jax.jit(jax.vmap(lambda v, s: ej.echo_psum(v, "tp", config=INT8, state=s,
+                                                   rescale=False), axis_name="tp"))
+    y, new = f(x, st)
+    ea, eb, b1, c1, b2, c2 = coefficients(INT8)
+    for r in range(nranks):
+        a1 = ref_read(np.asarray(st.m1[r]), np.asarray(st.s1[r]))
+        a2 = ref_read(np.asarray(st.m2[r]), np.asarray(st.s2[r]))
+        xp = np.asarray(x[r], F32) + ((ea * a1).astype(F32) + (eb * a2).astype(F32))
+        u = xp - (np.asarray(y[r], F32) * F32(1.0 / nranks)).astype(F32)
+        for q_got, s_got, m, b, c in ((new.m1, new.s1, a1, b1, c1), (new.m2, new.s2, a2, b2, c2)):
+            rq, rs = ref_quantize((b * m).astype(F32) + (c * u).astype(F32))
+            np.testing.assert_array_equal(np.asarray(q_got[r]), rq)
+            np.testing.assert_array_equal(np.asarray(s_got[r]).view(np.uint32),
+                                          rs.view(np.uint32))
+
+
+def test_no_custom_call_takes_it_yet():
+    for t in (transports.CPU, transports.CUDA):
+        rotation, compensation, reasons = transports.call_modes(t, INT8, "int8")
+        assert compensation == "jax" and any("no int8 state" in r for r in reasons)
+
+
+def test_a_scan_over_sites_keeps_the_int8_state():
+    x = jax.random.normal(jax.random.key(4), (2, 8, 64))
+
+    def sites(v):
+        st = ej.init_state(v, INT8)
+
+        def body(carry, _):
+            h, s = carry
+            y, s = ej.echo_psum(h, "tp", config=INT8, state=s)
+            return (0.5 * y, s), None
+
+        (h, s), _ = lax.scan(body, (v, st), None, length=3)
+        return h, s
+
+    h, s = jax.jit(jax.vmap(sites, axis_name="tp"))(x)
+    assert s.m1.dtype == jnp.int8 and s.s1.shape == (2, 4) and bool(jnp.isfinite(h).all())
