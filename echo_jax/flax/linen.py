@@ -153,7 +153,7 @@ class _ParallelDense(nn.Module):
         where = type(self).__name__
         if self.mode not in core.MODES:
             raise ValueError(f"{where}: mode must be one of {core.MODES}, got {self.mode!r}")
-        tp._check_configs(self.config, where)
+        tp.check_site_configs(self.config, where)
         if self.echo is not None and not isinstance(self.echo, EchoCarrier):
             raise ValueError(f"{where}: echo must be an EchoCarrier or None, got "
                              f"{type(self.echo).__name__}")

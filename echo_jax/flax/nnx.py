@@ -137,7 +137,7 @@ class _ParallelLinear(nnx.Module):
         where = type(self).__name__
         if mode not in core.MODES:
             raise ValueError(f"{where}: mode must be one of {core.MODES}, got {mode!r}")
-        tp._check_configs(config, where)
+        tp.check_site_configs(config, where)
         if echo is not None and not isinstance(echo, EchoCarrier):
             raise ValueError(f"{where}: echo must be an EchoCarrier or None, got "
                              f"{type(echo).__name__}")
