@@ -243,7 +243,7 @@ def _gather_w(wl, we, axis):
 
 
 def _check_common(where, x, w, config, axis):
-    tp._check_configs(config, where)
+    tp.check_site_configs(config, where)
     if jnp.ndim(w) != 2:
         raise ValueError(f"{where}: w must be a matrix [K, N], got shape {jnp.shape(w)}")
     if jnp.ndim(x) < 1 or jnp.shape(x)[-1] != jnp.shape(w)[0]:
@@ -381,8 +381,8 @@ def _column_input_fwd(x, choice, axis, config, rescale):
 
 def _column_input_bwd(axis, config, rescale, res, ct):
     (choice,) = res
-    ct_x, _ = tp._reduce_switch(ct, axis, config, choice, None, rescale)
-    return ct_x, tp._zero_choice(choice)
+    ct_x, _ = tp.site_all_reduce(ct, axis, config, choice, None, rescale)
+    return ct_x, tp.choice_cotangent(choice)
 
 
 _column_input.defvjp(_column_input_fwd, _column_input_bwd)

@@ -20,6 +20,11 @@ selects per layer inside a scanned stack (e.g. the early-site 8-bit policy of Se
 per-site policy calibrated by `models.calibrate`): the configs are static, the index is traced and
 picks a `lax.switch` branch. The compensator state has the same shape under every config (bits,
 group size and rotation only change the wire), so it flows between sites of different configs.
+
+Beside the sites, a small internal API for the modules that build on them (`echo_jax.gspmd`,
+`echo_jax.flax`): `check_site_configs` (the configs a site accepts), `site_all_reduce` (the one
+reduction of a site under the config its `choice` picks) and `choice_cotangent` (the cotangent
+of `choice` in a custom VJP).
 """
 
 from __future__ import annotations
@@ -58,8 +63,30 @@ def _reduce_site(x, axis, config: SiteConfig, state, rescale, exact_in_f32):
     return _reduce(x, axis, config, state, rescale)
 
 
-def _reduce_switch(x, axis, configs: SiteConfigs, choice, state, rescale, exact_in_f32=False):
-    """`_reduce` under one of several static configs, chosen by a (possibly traced) index."""
+def site_all_reduce(x, axis, configs: SiteConfigs, choice, state, rescale: bool,
+                    exact_in_f32: bool = False):
+    """The all-reduce of one site under the config `choice` picks (the reduction both sites run).
+
+    Internal API of the sites (`forward_site`, `backward_site`) and of `echo_jax.gspmd`'s
+    column-parallel matmul; models call the sites instead.
+
+    Args:
+      x: this rank's value (per-rank code: `axis` is bound).
+      axis: the tensor-parallel axis.
+      configs: an `EchoConfig`, None (the exact `lax.psum`), or a tuple of them.
+      choice: an int index into a tuple `configs` (may be traced: a `lax.switch` picks the
+        branch; clipped to the tuple); ignored for a single config.
+      state: the site's `CompensatorState` (shaped like x), or None (uncompensated).
+      rescale: the power-of-two rescaling around the all-reduce.
+      exact_in_f32: exact (None) configs sum a 16-bit x in fp32 and round once.
+
+    Returns:
+      (y, new_state): the sum over `axis`; the new state (None when `state` is None, `state`
+      itself under an exact or uncompensated config).
+
+    Raises:
+      ValueError: a tuple of configs without a `choice`.
+    """
     state = to_varying_state(state, axis)
     if not isinstance(configs, (tuple, list)):
         return _reduce_site(x, axis, configs, state, rescale, exact_in_f32)
@@ -78,7 +105,19 @@ def _branch(x, state, *, axis, config, rescale, exact_in_f32):
     return y, to_varying_state(s, axis)
 
 
-def _check_configs(configs: SiteConfigs, where: str):
+def check_site_configs(configs: SiteConfigs, where: str) -> None:
+    """Checks that a site's config (or each of a tuple) is an `EchoConfig` or None.
+
+    Internal API of the sites and of the layers that call them (`echo_jax.gspmd`,
+    `echo_jax.flax`), so a wrong config fails where it is given, with the caller's name.
+
+    Args:
+      configs: an `EchoConfig`, None, or a tuple / list of them.
+      where: the caller, for the message.
+
+    Raises:
+      ValueError: a config that is neither an `EchoConfig` nor None.
+    """
     for c in (configs if isinstance(configs, (tuple, list)) else (configs,)):
         if c is not None and not isinstance(c, EchoConfig):
             raise ValueError(f"{where}: a site config must be an EchoConfig or None (exact), "
@@ -105,14 +144,14 @@ def forward_site(x, axis_name, config: SiteConfigs, state: CompensatorState | No
     Returns:
       (y, new_state); new_state is None when state is None.
     """
-    _check_configs(config, "forward_site")
+    check_site_configs(config, "forward_site")
     collective.axis_size(collective.single_axis(axis_name, "forward_site"), "forward_site")
     return _forward_site(x, state, choice, axis_name, config, rescale, bool(exact_in_f32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _forward_site(x, state, choice, axis, config, rescale, exact_in_f32):
-    return _reduce_switch(x, axis, config, choice, state, rescale, exact_in_f32)
+    return site_all_reduce(x, axis, config, choice, state, rescale, exact_in_f32)
 
 
 def _forward_site_fwd(x, state, choice, axis, config, rescale, exact_in_f32):
@@ -126,13 +165,23 @@ def _forward_site_bwd(axis, config, rescale, exact_in_f32, res, cts):
     # Identity: every rank receives the full cotangent of the (replicated) sum.
     ct_x = _compat.to_varying(ct_y, axis)
     zeros = jax.tree.map(jnp.zeros_like, state)
-    return ct_x, zeros, _zero_choice(choice)
+    return ct_x, zeros, choice_cotangent(choice)
 
 
 _forward_site.defvjp(_forward_site_fwd, _forward_site_bwd)
 
 
-def _zero_choice(choice):
+def choice_cotangent(choice):
+    """The cotangent of a site's `choice` index in a custom VJP: float0 zeros (an int has none).
+
+    Internal API of the sites' VJPs (here and in `echo_jax.gspmd`).
+
+    Args:
+      choice: None or the int index a site was called with.
+
+    Returns:
+      None for None, else float0 zeros shaped like `choice`.
+    """
     if choice is None:
         return None
     return jnp.zeros(jnp.shape(choice), jax.dtypes.float0)
@@ -159,7 +208,7 @@ def backward_site(x, axis_name, config: SiteConfigs, bwd_state: CompensatorState
     Returns:
       (x, bwd_state): both unchanged in value; x typed as varying over the axis.
     """
-    _check_configs(config, "backward_site")
+    check_site_configs(config, "backward_site")
     collective.axis_size(collective.single_axis(axis_name, "backward_site"), "backward_site")
     if not isinstance(bwd_state, CompensatorState):
         raise ValueError("backward_site: bwd_state must be a CompensatorState shaped like x "
@@ -184,13 +233,13 @@ def _backward_site_fwd(x, bwd_state, choice, axis, config, rescale, x_varies, ex
 def _backward_site_bwd(axis, config, rescale, x_varies, exact_in_f32, res, cts):
     (choice,) = res
     ct_x, live_state = cts
-    ct_in, new_state = _reduce_switch(ct_x, axis, config, choice, live_state, rescale,
+    ct_in, new_state = site_all_reduce(ct_x, axis, config, choice, live_state, rescale,
                                       exact_in_f32)
     if x_varies:  # the cotangent of a varying input must be typed varying too
         ct_in = _compat.to_varying(ct_in, axis)
     if new_state is None:
         new_state = live_state
-    return ct_in, new_state, _zero_choice(choice)
+    return ct_in, new_state, choice_cotangent(choice)
 
 
 _backward_site.defvjp(_backward_site_fwd, _backward_site_bwd)
@@ -207,4 +256,6 @@ def early_8bit_choice(layer, num_layers: int):
 
 
 __all__ = ["forward_site", "backward_site", "early_8bit_configs", "early_8bit_choice",
-           "init_state"]
+           "init_state",
+           # the internal API of the sites, for echo_jax.gspmd and echo_jax.flax
+           "check_site_configs", "site_all_reduce", "choice_cotangent"]

@@ -119,8 +119,8 @@ def _mutate_backward_site(old, new):
 
 def _swapped_backward_choice():
     _mutate_backward_site(
-        "_reduce_switch(ct_x, axis, config, choice,",
-        "_reduce_switch(ct_x, axis, config, None if choice is None else 1 - choice,")
+        "site_all_reduce(ct_x, axis, config, choice,",
+        "site_all_reduce(ct_x, axis, config, None if choice is None else 1 - choice,")
 
 
 def _pytree_later_leaves_uncompensated():
@@ -186,8 +186,8 @@ def _p2p_transient_ulp():
 
 
 def _backward_cotangent_unscaled():
-    _mutate_backward_site("_reduce_switch(ct_x, axis, config, choice, live_state, rescale,",
-                          "_reduce_switch(ct_x, axis, config, choice, live_state, False,")
+    _mutate_backward_site("site_all_reduce(ct_x, axis, config, choice, live_state, rescale,",
+                          "site_all_reduce(ct_x, axis, config, choice, live_state, False,")
 
 
 def _greedy_by_absolute_gain():

@@ -1,10 +1,8 @@
 """Flax Linen layers with Echo: `ColumnParallelDense`, `RowParallelDense` and `EchoCarrier`.
 
-Drop-in replacements of `flax.linen.Dense` for Megatron's tensor-parallel MLP / attention (the
-Echo paper, arXiv 2610.14277, Sec. 5.4): a column-parallel layer (the kernel's output features
-split over `axis_name`; its input's cotangent all-reduced by Echo in the backward pass, site f)
-followed by a row-parallel one (the kernel's input features split; the partial sums all-reduced
-by Echo in the forward pass, site g; the bias added once, after the reduction).
+`flax.linen.Dense` as Megatron's column- and row-parallel pair, with an Echo all-reduce at each
+of its two sites (the Echo paper, arXiv 2610.14277, Sec. 5.4; one definition of the two layers,
+shared with NNX, in `echo_jax.flax.layer`):
 
     class MLP(nn.Module):
         config: EchoConfig | None = None
@@ -29,113 +27,78 @@ rank inside `jax.shard_map`, each rank keeps its slice of the global initializer
 (`echo_jax.flax.sharded_init`), so the model holds the parameters `nn.Dense` would hold with the
 same key.
 
-The compensator state (Algorithm 1, Sec. 5.1) lives in the variable collection "echo_state" of an
-`EchoCarrier`, one module shared by every layer of the model (pass it as the layers' `echo`
-attribute): "fwd", the forward state, read and written by every row-parallel layer in call order;
-"bwd", the backward state, threaded the same way through the column-parallel layers (returned
-unchanged in the forward pass; in the backward pass its cotangent carries the live state from
-site to site in backward order, as `echo_jax.tp.backward_site`). `reset(x)` at the start of every
-forward pass makes both zeros shaped like x, in the config's `state_dtype`. Through
-`nn.scan` over layers pass `variable_carry="echo_state"` (the carrier's variables are the loop's
-carry); `nn.remat` needs nothing. Without a carrier (`echo=None`) the sites run uncompensated.
+The compensator state (Algorithm 1, Sec. 5.1; its "fwd" and "bwd" directions are told in
+`echo_jax.flax.carrier`) lives in the variable collection "echo_state" of an `EchoCarrier`, one
+module shared by every layer of the model (pass it as the layers' `echo` attribute); call
+`reset(x)` at the start of every forward pass. Through `nn.scan` over layers pass
+`variable_carry="echo_state"` (the carrier's variables are the loop's carry); `nn.remat` needs
+nothing. Without a carrier (`echo=None`) the sites run uncompensated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
-from flax.linen.dtypes import promote_dtype
 
-from echo_jax import flax as core
-from echo_jax import tp
-from echo_jax.compensator import CompensatorState
-
-COLLECTION = core.COLLECTION
+from echo_jax.flax import layer
+from echo_jax.flax.carrier import COLLECTION, CarrierMethods
+from echo_jax.flax.sites import axis_bound, axis_size, sharded_init
 
 default_kernel_init = nn.initializers.lecun_normal()
 
 
-class EchoCarrier(nn.Module):
+class EchoCarrier(CarrierMethods, nn.Module):
     """The compensator state of a model's Echo sites, in the variable collection "echo_state".
 
-    One carrier per model (or per group of sites that reduce values of one shape), shared by its
-    layers through their `echo` attribute. It holds two `CompensatorState`s: "fwd" (the forward
-    state of the row-parallel sites) and "bwd" (the backward state of the column-parallel sites),
-    each read and written by the sites in call order (the Echo paper Sec. 5.1 and 5.4).
+    Its methods (`reset`, `get`, `put`) are `echo_jax.flax.carrier.CarrierMethods`'; the two
+    states are the variables "fwd" and "bwd" of the collection `COLLECTION`, so the model is
+    applied with `mutable=["echo_state"]` and `nn.scan` carries them (`variable_carry`).
 
     Attributes:
-      config: the sites' `EchoConfig` (or tuple of them, or None): the state is made in its
-        `state_dtype`.
-      axis_name: the tensor-parallel axis.
-      mode: "auto", "shard_map" or "gspmd", as the layers' (it decides whether the state is per
-        rank or global [P, ...]).
+      config, axis_name, mode: the sites' config, axis and mode (`CarrierMethods`).
     """
 
     config: Any = None
     axis_name: str = "tp"
     mode: str = "auto"
 
-    def _writable(self, where):
+    _reset_hint: ClassVar[str] = f" and apply with mutable=[{COLLECTION!r}]"
+
+    def _load(self, direction):
+        return self.get_variable(COLLECTION, direction)
+
+    def _store(self, direction, state, where):
         if not self.is_mutable_collection(COLLECTION):
             raise ValueError(
                 f"EchoCarrier.{where}: the collection {COLLECTION!r} is not mutable: apply the "
                 f"model with mutable=[{COLLECTION!r}] (the compensator state changes at every "
                 "site)")
-
-    def reset(self, like, bwd_like=None) -> None:
-        """Zeros for both states; call it at the start of every forward pass.
-
-        Args:
-          like: a value shaped like the row-parallel sites' outputs (e.g. the residual stream
-            [B, T, D], this rank's in "shard_map" mode); an array or a ShapeDtypeStruct.
-          bwd_like: a value shaped like the column-parallel sites' inputs (default: `like`).
-        """
-        self._writable("reset")
-        kw = dict(axis_name=self.axis_name, config=self.config, mode=self.mode,
-                  where="EchoCarrier.reset")
-        self.put_variable(COLLECTION, "fwd", core.zero_state(like, **kw))
-        self.put_variable(COLLECTION, "bwd", core.zero_state(
-            like if bwd_like is None else bwd_like, **kw))
-
-    def get(self, kind: str) -> CompensatorState:
-        """The current state of one direction ("fwd" or "bwd")."""
-        if kind not in ("fwd", "bwd"):
-            raise ValueError(f"EchoCarrier.get: kind must be 'fwd' or 'bwd', got {kind!r}")
-        state = self.get_variable(COLLECTION, kind)
-        if state is None:
-            raise ValueError(
-                "EchoCarrier: no compensator state: call carrier.reset(x) at the start of the "
-                f"forward pass and apply with mutable=[{COLLECTION!r}]")
-        return _as_state(state)
-
-    def put(self, kind: str, state: CompensatorState) -> None:
-        """Stores the state a site returned (the next site of that direction reads it)."""
-        self._writable("put")
-        self.put_variable(COLLECTION, kind, state)
+        self.put_variable(COLLECTION, direction, state)
 
 
-def _as_state(state) -> CompensatorState:
-    """A stored state as a CompensatorState (a restored checkpoint may hold a dict or a list)."""
-    if isinstance(state, Mapping):
-        return CompensatorState(state["m1"], state["m2"])
-    return CompensatorState(*state)
+class ParallelDense(nn.Module):
+    """A tensor-parallel `flax.linen.Dense` of one `echo_jax.flax.layer.ParallelKind`.
 
+    Attributes:
+      features: the number of output features of the whole (unsharded) layer.
+      use_bias: whether to add a bias.
+      dtype: the computation dtype (default: inferred from the input and params, as Dense).
+      param_dtype: the dtype of the parameters (default float32).
+      precision: `lax.Precision` of the contraction.
+      kernel_init, bias_init: initializers of the global kernel [in, features] and bias
+        [features] (any Flax / JAX initializer; the layer adds the partitioning).
+      axis_name: the tensor-parallel mesh axis.
+      config: an `EchoConfig`, None (the exact `lax.psum`), or a tuple of them picked per call by
+        `choice` (e.g. `echo_jax.tp.early_8bit_configs(cfg)`).
+      echo: the model's `EchoCarrier`, or None (uncompensated).
+      mode: "auto", "shard_map" or "gspmd" (see `echo_jax.flax`).
+      rescale: the power-of-two rescaling around the all-reduce (the default: the kind's,
+        `ParallelKind.rescale`).
+    """
 
-def _param(module, name, init, shape, dtype, names, local):
-    """A parameter boxed with `nn.with_partitioning(init, names)`; in shard_map mode unboxed
-    without the sharding constraint (the value is this rank's block, the names the global
-    array's layout)."""
-    value = module.param(name, nn.with_partitioning(init, names), shape, dtype, unbox=not local)
-    if local and isinstance(value, nn.Partitioned):
-        value = value.unbox(apply_constraint=False)
-    return value
-
-
-class _ParallelDense(nn.Module):
-    """What the two layers share (attributes as `flax.linen.Dense`'s, plus Echo's)."""
+    kind: ClassVar[layer.ParallelKind]
 
     features: int
     use_bias: bool = True
@@ -148,128 +111,80 @@ class _ParallelDense(nn.Module):
     config: Any = None
     echo: Optional[EchoCarrier] = None
     mode: str = "auto"
+    rescale: bool = False
 
-    def _check(self):
-        where = type(self).__name__
-        if self.mode not in core.MODES:
-            raise ValueError(f"{where}: mode must be one of {core.MODES}, got {self.mode!r}")
-        tp._check_configs(self.config, where)
-        if self.echo is not None and not isinstance(self.echo, EchoCarrier):
-            raise ValueError(f"{where}: echo must be an EchoCarrier or None, got "
-                             f"{type(self.echo).__name__}")
+    def _param(self, name, init, global_shape, sharding, split_dim, p):
+        """A parameter boxed with `nn.with_partitioning(init, sharding)`.
 
-    def _site(self, kind, inputs, kernel, bias, choice, where):
-        """The layer's site ("column" or "row") on the promoted operands, its state threaded
-        through the carrier `echo` (`echo_jax.flax.site_with_carrier`)."""
-        inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        return core.site_with_carrier(kind, inputs, kernel, bias, echo=self.echo,
-                                      axis_name=self.axis_name, config=self.config, choice=choice,
-                                      rescale=self.rescale, precision=self.precision,
-                                      mode=self.mode, where=where)
-
-
-class ColumnParallelDense(_ParallelDense):
-    """A column-parallel `Dense`: y = f(x) @ kernel + bias, output features split over the axis.
-
-    Megatron's first layer of a block (the Echo paper Sec. 5.4): the input x is replicated over
-    `axis_name`; each rank multiplies it by its `features / P` columns of the kernel (no
-    communication forward); in the backward pass the partial cotangents of x are all-reduced by
-    Echo (site f, `echo_jax.tp.backward_site`), with the power-of-two rescaling (`rescale`).
-
-    Attributes:
-      features: the number of output features of the whole (unsharded) layer.
-      use_bias: whether to add a bias (split over the axis like the kernel's columns).
-      dtype: the computation dtype (default: inferred from the input and params, as Dense).
-      param_dtype: the dtype of the parameters (default float32).
-      precision: `lax.Precision` of the contraction.
-      kernel_init, bias_init: initializers of the global kernel [in, features] and bias
-        [features] (any Flax / JAX initializer; the layer adds the partitioning).
-      axis_name: the tensor-parallel mesh axis.
-      config: an `EchoConfig`, None (the exact `lax.psum`), or a tuple of them picked per call by
-        `choice` (e.g. `echo_jax.tp.early_8bit_configs(cfg)`).
-      echo: the model's `EchoCarrier` (the backward state "bwd" flows through it), or None
-        (uncompensated).
-      mode: "auto", "shard_map" or "gspmd" (see `echo_jax.flax`).
-      rescale: the power-of-two rescaling of the cotangent (Sec. 5.4; on by default).
-    """
-
-    rescale: bool = True
+        In shard_map mode (`p`, the axis size, not None) a parameter split on `split_dim` is this
+        rank's block, initialized as the global parameter's slice (`sharded_init`); there the
+        value is unboxed without the sharding constraint (the names are the global layout)."""
+        local = p is not None
+        shape = tuple(global_shape)
+        if local and split_dim is not None:
+            shape = layer.block_shape(global_shape, split_dim, p, "features", type(self).__name__)
+            init = sharded_init(init, global_shape, split_dim, self.axis_name)
+        value = self.param(name, nn.with_partitioning(init, sharding), shape, self.param_dtype,
+                           unbox=not local)
+        if local and isinstance(value, nn.Partitioned):
+            value = value.unbox(apply_constraint=False)
+        return value
 
     @nn.compact
     def __call__(self, inputs, *, choice=None):
         """Applies the layer.
 
         Args:
-          inputs: [..., in], replicated over `axis_name` (in "shard_map" mode, this rank's copy).
+          inputs: [..., in]: column-parallel, replicated over `axis_name`; row-parallel, split
+            over it on the last dim (in "shard_map" mode, this rank's copy or block).
           choice: an int index into a tuple `config` (may be traced, e.g. the layer index).
 
         Returns:
-          [..., features / P] in "shard_map" mode (this rank's features); [..., features]
-          sharded over `axis_name` on its last dim in "gspmd" mode.
+          Column-parallel: [..., features / P] in "shard_map" mode (this rank's features),
+          [..., features] sharded over `axis_name` on its last dim in "gspmd" mode.
+          Row-parallel: [..., features], the reduced sum plus the bias, replicated over the axis.
         """
-        where = "ColumnParallelDense"
-        self._check()
-        local = core.axis_bound(self.axis_name)
-        n_in, ax = inputs.shape[-1], self.axis_name
-        if local:
-            p = core.axis_size("shard_map", ax)
-            out = core.split_features(self.features, p, "features", where)
-            k_init = core.sharded_init(self.kernel_init, (n_in, self.features), 1, ax)
-            b_init = core.sharded_init(self.bias_init, (self.features,), 0, ax)
-        else:
-            out, k_init, b_init = self.features, self.kernel_init, self.bias_init
-        kernel = _param(self, "kernel", k_init, (n_in, out), self.param_dtype, (None, ax), local)
-        bias = _param(self, "bias", b_init, (out,), self.param_dtype, (ax,), local) \
-            if self.use_bias else None
-        return self._site("column", inputs, kernel, bias, choice, where)
+        where, kind, ax = type(self).__name__, self.kind, self.axis_name
+        layer.check_layer(where, mode=self.mode, config=self.config, echo=self.echo,
+                          carrier_type=EchoCarrier)
+        p = axis_size("shard_map", ax) if axis_bound(ax) else None
+        n_in = kind.global_in_features(inputs.shape[-1], p or 1)
+        kernel = self._param("kernel", self.kernel_init, (n_in, self.features),
+                             kind.kernel_sharding(ax), kind.kernel_split_dim, p)
+        bias = self._param("bias", self.bias_init, (self.features,), kind.bias_sharding(ax),
+                           kind.bias_split_dim(), p) if self.use_bias else None
+        return layer.apply_site(kind, inputs, kernel, bias, dtype=self.dtype, echo=self.echo,
+                                axis_name=ax, config=self.config, choice=choice,
+                                rescale=self.rescale, precision=self.precision, mode=self.mode,
+                                where=where)
 
 
-class RowParallelDense(_ParallelDense):
-    """A row-parallel `Dense`: y = g(x @ kernel) + bias, input features split over the axis.
+class ColumnParallelDense(ParallelDense):
+    """A column-parallel `Dense`: y = f(x) @ kernel + bias, output features split over the axis.
 
-    Megatron's second layer of a block (the Echo paper Sec. 5.4): each rank contracts its
-    `in / P` input features with its rows of the kernel, and the partial sums are all-reduced by
-    Echo (site g, `echo_jax.tp.forward_site`: Echo forward, identity backward); the bias is
-    added once, after the reduction.
-
-    Attributes:
-      features: the number of output features.
-      use_bias: whether to add a bias (replicated, added after the reduction).
-      dtype, param_dtype, precision, kernel_init, bias_init, axis_name, config, mode: as
-        `ColumnParallelDense`'s (the kernel is [in, features] globally, split on `in`).
-      echo: the model's `EchoCarrier` (the forward state "fwd" flows through it), or None
-        (uncompensated).
-      rescale: the power-of-two rescaling around the all-reduce (off by default in the forward
-        pass, as the paper's).
+    Megatron's first layer of a block (`echo_jax.flax.layer.COLUMN`): each rank multiplies the
+    replicated input by its `features / P` columns of the kernel (no communication forward); in
+    the backward pass Echo all-reduces the partial cotangents of x (site f), rescaled by a power
+    of two (`rescale`, on by default). The bias is split like the kernel's columns; `echo`'s
+    backward state "bwd" flows through the layer. Attributes as `ParallelDense`'s.
     """
 
-    rescale: bool = False
-
-    @nn.compact
-    def __call__(self, inputs, *, choice=None):
-        """Applies the layer.
-
-        Args:
-          inputs: [..., in] split over `axis_name` on its last dim (in "shard_map" mode, this
-            rank's [..., in / P], e.g. a column-parallel layer's output).
-          choice: an int index into a tuple `config` (may be traced).
-
-        Returns:
-          [..., features], the reduced sum plus the bias, replicated over `axis_name`.
-        """
-        where = "RowParallelDense"
-        self._check()
-        local = core.axis_bound(self.axis_name)
-        n_in, ax = inputs.shape[-1], self.axis_name
-        k_init = self.kernel_init
-        if local:
-            p = core.axis_size("shard_map", ax)
-            k_init = core.sharded_init(self.kernel_init, (n_in * p, self.features), 0, ax)
-        kernel = _param(self, "kernel", k_init, (n_in, self.features), self.param_dtype,
-                        (ax, None), local)
-        bias = _param(self, "bias", self.bias_init, (self.features,), self.param_dtype, (None,),
-                      local) if self.use_bias else None
-        return self._site("row", inputs, kernel, bias, choice, where)
+    kind: ClassVar[layer.ParallelKind] = layer.COLUMN
+    rescale: bool = layer.COLUMN.rescale
 
 
-__all__ = ["ColumnParallelDense", "RowParallelDense", "EchoCarrier", "COLLECTION"]
+class RowParallelDense(ParallelDense):
+    """A row-parallel `Dense`: y = g(x @ kernel) + bias, input features split over the axis.
+
+    Megatron's second layer of a block (`echo_jax.flax.layer.ROW`): each rank contracts its
+    `in / P` input features with its rows of the kernel and Echo all-reduces the partial sums
+    (site g: Echo forward, identity backward; `rescale` off by default); the replicated bias is
+    added once, after the reduction. `echo`'s forward state "fwd" flows through the layer.
+    Attributes as `ParallelDense`'s.
+    """
+
+    kind: ClassVar[layer.ParallelKind] = layer.ROW
+    rescale: bool = layer.ROW.rescale
+
+
+__all__ = ["ColumnParallelDense", "RowParallelDense", "ParallelDense", "EchoCarrier", "COLLECTION"]
