@@ -479,6 +479,12 @@ def state_for(value, *, axis="tp", mesh=None, spec=None, config: EchoConfig | No
                          f"{_spec(entries)} names it")
     _check_divisible("value", shape, entries, mesh, where)
     dt = comp.state_dtype(config, dtype)
+    if dt == jnp.int8:
+        raise ValueError(
+            f"{where}: EchoConfig.state_dtype='int8' runs with echo_psum and the echo_jax.tp "
+            "sites inside jax.shard_map, not yet with the jit / GSPMD helpers (its per-group "
+            "scales are not laid out for a sharded state); use state_dtype='float32' or "
+            "'bfloat16' here")
     gshape = (sizes[axis],) + shape
     gspec = _spec(_site_state_entries(entries, axis))
     if getattr(mesh, "are_all_axes_explicit", False):

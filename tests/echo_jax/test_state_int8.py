@@ -133,3 +133,13 @@ def test_a_scan_over_sites_keeps_the_int8_state():
 
     h, s = jax.jit(jax.vmap(sites, axis_name="tp"))(x)
     assert s.m1.dtype == jnp.int8 and s.s1.shape == (2, 4) and bool(jnp.isfinite(h).all())
+
+
+def test_the_layers_and_the_gspmd_helpers_refuse_it_with_the_fix():
+    from echo_jax import gspmd
+    from echo_jax.flax import sites
+    with pytest.raises(ValueError, match=r"state_for: .*'int8'.*use state_dtype='float32'"):
+        gspmd.state_for(jax.ShapeDtypeStruct((4, 8), jnp.float32), axis="tp",
+                        mesh=jax.make_mesh((1,), ("tp",)), config=INT8)
+    with pytest.raises(ValueError, match=r"reset: .*'int8'.*not yet with the Flax layers"):
+        sites.zero_state(jnp.zeros((4, 8)), config=INT8, mode="local")
