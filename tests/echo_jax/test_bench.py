@@ -1,4 +1,4 @@
-"""Smoke tests of the benchmark CLI (`python -m echo_jax.bench`) on CPU fake devices.
+"""Smoke tests of the benchmark CLI (`python -m echo_jax_tools.bench`) on CPU fake devices.
 
 Tiny sizes and iteration counts: they check the pipeline (rows, JSON fields, correctness columns,
 plot, size gate), not the speed. The end-to-end benchmark is `models.bench_e2e`
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from echo_jax import bench
 from echo_jax import p2p
+from echo_jax_tools import bench
 
 QUICK = ["--iters", "2", "--warmup", "1", "--repeats", "1"]
 ROW_KEYS = ("row", "size_bytes", "ranks", "median_s", "speedup_vs_psum", "max_abs_err",
