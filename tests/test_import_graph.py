@@ -12,6 +12,7 @@ the tools above the library).
 """
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -194,3 +195,47 @@ def test_no_import_cycle_involves_models():
 
 def test_no_import_cycle():
     assert not cycles(import_graph())
+
+
+def test_the_p2p_modules_are_deprecated_aliases_of_the_transports(tmp_path):
+    """echo_jax.p2p keeps p2p_allreduce(_compensated) and warns for every other name, naming its
+    home; importing echo_jax.p2p_cuda warns, at the importing line, naming echo_jax.transports.cuda.
+    A fresh interpreter: the warning of a module's import comes once per process."""
+    code = """
+import importlib, linecache, warnings
+warnings.simplefilter("error")
+from echo_jax import p2p
+from echo_jax import transports
+from echo_jax.transports import base, cpu
+assert callable(p2p.p2p_allreduce) and callable(p2p.p2p_allreduce_compensated)
+for name, home in sorted(p2p.DEPRECATED.items()):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        value = getattr(p2p, name)
+    (w,) = seen
+    assert w.category is DeprecationWarning and f"use {home}." in str(w.message), (name, w)
+    if name != "choose":
+        assert value is getattr(importlib.import_module(home), name), name
+try:
+    p2p.no_such_name
+except AttributeError:
+    pass
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    from echo_jax import p2p_cuda  # the line that warns
+(w,) = seen
+assert w.category is DeprecationWarning and "echo_jax.transports.cuda" in str(w.message), w
+assert w.filename == __file__, w.filename
+assert "import p2p_cuda" in linecache.getline(w.filename, w.lineno), w.lineno
+from echo_jax.transports import cuda
+assert p2p_cuda.virtual_allreduce is cuda.virtual_allreduce
+print("ok")
+"""
+    script = tmp_path / "old_names.py"
+    script.write_text(code)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "ok", out.stdout

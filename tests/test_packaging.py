@@ -23,9 +23,9 @@ USER_MODELS = "MARKER = 'the user models package'\n"
 USER_SCRIPT = """
 import models
 import echo_jax
-from echo_jax import p2p
+from echo_jax.transports import cpu
 assert models.MARKER == 'the user models package', models.__file__
-assert p2p.build_info(), 'echo_jax._ffi did not load'
+assert cpu.build_info(), 'echo_jax._ffi did not load'
 print('models from', models.__file__)
 print('echo_jax from', echo_jax.__file__)
 """
