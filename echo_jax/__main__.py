@@ -5,9 +5,11 @@ Commands:
   doctor the platform, the custom-call modules built, and which transport each axis size gets
 
 Each command is a subparser with a handler ``_cmd_<name>(args) -> exit status``; add a command by
-adding a ``_add_<name>`` function to `_COMMANDS`. The fake CPU devices of the demo are requested
-through XLA_FLAGS (`echo_jax._cli.request_host_devices`), which XLA reads when its CPU backend
-starts, not at ``import jax``: the handler sets it before anything touches a device.
+adding a ``_add_<name>`` function to `_COMMANDS`. The demo itself is `echo_jax_tools.demo`, which
+its handler imports when it runs: no echo_jax module imports the tools at import time. The fake
+CPU devices of the demo are requested through XLA_FLAGS (`echo_jax._cli.request_host_devices`),
+which XLA reads when its CPU backend starts, not at ``import jax``: the handler sets it before
+anything touches a device.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import json
 import os
 import sys
 
-from echo_jax import demo
 from echo_jax._cli import positive_int, request_host_devices, write_json
 
 
@@ -69,6 +70,7 @@ def _add_demo(subparsers) -> None:
 
 def _cmd_demo(args) -> int:
     request_host_devices(args.ranks, minimum=8)
+    from echo_jax_tools import demo  # here, not at the top: `import echo_jax` loads no tool
 
     try:
         result = demo.run_demo(ranks=args.ranks, sites=args.sites, tokens=args.tokens,

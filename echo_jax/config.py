@@ -43,7 +43,7 @@ class EchoConfig:
         (exact, no compensation; a compensator state passes through unchanged). Small messages
         are latency-bound, so the quantize and the extra round of the Echo protocol can make
         them slower than psum. Default 0 (the gate is off): the crossover depends on the
-        machine, so measure it there with `python -m echo_jax.bench gate`.
+        machine, so measure it there with `python -m echo_jax_tools.bench gate`.
       rotation: "none", or "hadamard": a randomized block Hadamard rotation (`echo_jax.rotation`)
         of each group of g values before quantizing, undone after the sum. It spreads an
         outlier channel over its whole group, so the group's scale no longer follows the

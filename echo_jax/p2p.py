@@ -1,4 +1,5 @@
-"""The "p2p" transport as public functions: the Echo custom call of this platform, "xla" elsewhere.
+"""The "p2p" transport as two explicit functions: the Echo custom call of this platform, "xla"
+elsewhere.
 
 The custom calls live in `echo_jax.transports.cpu` (XLA FFI handler of ffi/echo_allreduce_cpu.cc,
 its attributes and limits documented there) and `echo_jax.transports.cuda` (ffi/p2p_cuda.cu);
@@ -16,43 +17,61 @@ points:
   otherwise in plain JAX around the unrotated call (`transports.xla.rotated_allreduce`, the
   factor multiplying x before the rotation, the compensator steps in JAX around it too). The
   bits are the same either way.
-* `choose(config)` says which transport an `echo_psum` call with this config runs ("p2p" or
-  "xla"), `unavailable_reason` and `limit_reason` why the custom call cannot run.
+
+Every other name this module gives is a deprecated alias, which warns (DeprecationWarning) where
+it is read and names its home (`DEPRECATED`): `choose` is
+`echo_jax.transports.resolve(config, axis_name, num_elements, honor_env=False)`;
+`unavailable_reason` and `limit_reason` are `echo_jax.transports`'; the build and registry
+queries, the custom-call targets and the CPU call's limits are `echo_jax.transports.cpu`'s; the
+timeout, the FFI version checks and the shared limits are `echo_jax.transports.base`'s.
 """
 
 from __future__ import annotations
+
+import importlib
+import warnings
 
 import jax.numpy as jnp
 
 from echo_jax import compensator as comp
 from echo_jax import transports
 from echo_jax.config import EchoConfig
-# Re-exported under their old names: their homes are the transports.
-from echo_jax.transports import limit_reason, unavailable_reason
 from echo_jax.transports import xla as _xla
-from echo_jax.transports.base import (DEFAULT_TIMEOUT_S, MAX_GROUP_SIZE, MAX_SEGMENT_ELEMS,
-                                      TIMEOUT_ENV, build_mismatch, factor_operand,
-                                      runtime_ffi_api)
-from echo_jax.transports.base import timeout_ms as _timeout_ms  # noqa: F401
-from echo_jax.transports.cpu import (DEBUG_FAILING_STAGES, DTYPES, MAX_RANKS, POLICY_CODES,
-                                     TARGET, TARGET_APPLIED, TARGET_COMPENSATED,
-                                     available_platforms, build_info,
-                                     debug_absent_rank, debug_failing_rank, registry_stats)
+
+#: Deprecated name -> the module that is its home (the name is the same there, except `choose`).
+DEPRECATED = {
+    "choose": "echo_jax.transports",
+    **{name: "echo_jax.transports" for name in ("unavailable_reason", "limit_reason")},
+    **{name: "echo_jax.transports.base" for name in (
+        "DEFAULT_TIMEOUT_S", "MAX_GROUP_SIZE", "MAX_SEGMENT_ELEMS", "TIMEOUT_ENV",
+        "build_mismatch", "factor_operand", "runtime_ffi_api")},
+    **{name: "echo_jax.transports.cpu" for name in (
+        "DEBUG_FAILING_STAGES", "DTYPES", "MAX_RANKS", "POLICY_CODES", "TARGET", "TARGET_APPLIED",
+        "TARGET_COMPENSATED", "available_platforms", "build_info", "debug_absent_rank",
+        "debug_failing_rank", "registry_stats")},
+}
 
 
-def choose(config: EchoConfig, axis_name=None, num_elements=None) -> str:
-    """The transport a call runs: "p2p" where the custom call can run, else "xla".
-
-    Args:
-      config: the call's EchoConfig.
-      axis_name: the axis to reduce over, if known.
-      num_elements: elements of one rank's flat contribution, if known; with the axis it also
-        checks the custom call's size limits (`limit_reason`).
-
-    Raises:
-      ValueError: config.transport == "p2p" but the custom call cannot run here (says why).
-    """
+def _choose(config: EchoConfig, axis_name=None, num_elements=None) -> str:
+    """The transport a call runs: "p2p" where the custom call can run, else "xla" (the
+    environment's ECHO_JAX_FORCE_XLA aside)."""
     return transports.resolve(config, axis_name, num_elements, honor_env=False)
+
+
+def __getattr__(name):
+    """The deprecated aliases (PEP 562): a DeprecationWarning naming the home, then the value."""
+    home = DEPRECATED.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name == "choose":
+        replacement = f"{home}.resolve(config, axis_name, num_elements, honor_env=False)"
+        value = _choose
+    else:
+        replacement = f"{home}.{name}"
+        value = getattr(importlib.import_module(home), name)
+    warnings.warn(f"echo_jax.p2p.{name} is deprecated: use {replacement}", DeprecationWarning,
+                  stacklevel=2)
+    return value
 
 
 def _select(where, axis, config, x_flat32, num_ranks):
@@ -150,9 +169,4 @@ def p2p_allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     return y.astype(x_flat32.dtype), new.m1, new.m2
 
 
-__all__ = ["choose", "unavailable_reason", "limit_reason", "available_platforms", "p2p_allreduce",
-           "p2p_allreduce_compensated", "debug_absent_rank", "debug_failing_rank", "build_info",
-           "runtime_ffi_api", "build_mismatch", "registry_stats", "factor_operand", "TIMEOUT_ENV",
-           "DEFAULT_TIMEOUT_S", "POLICY_CODES", "TARGET", "TARGET_COMPENSATED", "TARGET_APPLIED",
-           "MAX_RANKS",
-           "MAX_GROUP_SIZE", "MAX_SEGMENT_ELEMS", "DTYPES", "DEBUG_FAILING_STAGES"]
+__all__ = ["p2p_allreduce", "p2p_allreduce_compensated"]

@@ -9,7 +9,8 @@ all-reduce mode, optionally under a background copy load; see `bench_e2e`. The a
 of a mode is measured against the same programs with the tensor-parallel all-reduces replaced by
 the identity. Output: a table and ``results/bench_e2e_<machine>.json``.
 
-It lives with the models (not in ``echo_jax.bench``) because the library does not import them.
+It lives with the models (not in ``echo_jax_tools.bench``) because neither the library nor its tools
+import them.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from jax.sharding import Mesh
 
 from echo_jax import tp as tp_ops
 from echo_jax._cli import positive_int, request_host_devices, write_json
-from echo_jax.bench import machine_name
 from echo_jax.config import EchoConfig
+from echo_jax_tools.bench import machine_name
 from models import model as M
 from models.cli import add_simulate_arg, make_mesh, place
 from models.config import CommConfig, check_tp, get_config, supported_tp

@@ -21,7 +21,7 @@ def has_gpu() -> bool:
 
 
 def cuda_handlers():
-    """echo_jax.p2p_cuda with its CUDA handlers, for the `cuda` fixtures of the GPU tests.
+    """echo_jax.transports.cuda with its CUDA handlers, for the `cuda` fixtures of the GPU tests.
 
     Skips where there is no GPU. Where there is one, a missing or unusable echo_jax._ffi_cuda is
     a failure, not a skip: a GPU run that silently skipped every kernel test would pass while
@@ -29,9 +29,10 @@ def cuda_handlers():
     """
     if not has_gpu():
         pytest.skip("needs an NVIDIA GPU")
-    from echo_jax import p2p, p2p_cuda
+    from echo_jax.transports import cuda
+    from echo_jax.transports.base import build_mismatch
     try:
-        p2p_cuda._module()
+        cuda._module()
     except ImportError as err:
         pytest.fail(
             "a GPU is present (jax.devices('gpu') is not empty) but the CUDA handlers "
@@ -40,10 +41,10 @@ def cuda_handlers():
             "ECHO_JAX_CUDA is not OFF; check `nvcc --version` / CUDACXX), or `STEPS=build "
             ".ci/gpu`, which builds it with CMake + Ninja and copies _ffi_cuda*.so into echo_jax/.",
             pytrace=False)
-    mismatch = p2p.build_mismatch(p2p_cuda.build_info(), "echo_jax._ffi_cuda")
+    mismatch = build_mismatch(cuda.build_info(), "echo_jax._ffi_cuda")
     if mismatch is not None:
         pytest.fail(f"a GPU is present but {mismatch}", pytrace=False)
-    return p2p_cuda
+    return cuda
 
 
 #: Worker processes of a parallel run at most: each holds a JAX runtime with 8 fake devices (about

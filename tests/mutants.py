@@ -134,7 +134,7 @@ def _pytree_later_leaves_uncompensated():
 
 
 def _demo_delta_uncorrected():
-    from echo_jax import demo
+    from echo_jax_tools import demo
     mutate(demo, "_site_step",
            ("injected = lax.psum(comp.apply_correction(x, state, k), AXIS)", "injected = exact"))
 
@@ -155,7 +155,7 @@ def _cli_rotation_not_applied():
 
 
 def _bench_identity_vacuous():
-    from echo_jax import bench
+    from echo_jax_tools import bench
     mutate(bench, "_compare", ("jnp.all(bits == bits[:1])", "jnp.all(bits == bits)"))
 
 

@@ -1,4 +1,4 @@
-"""What the install claims: the package `echo_jax` alone, no generic top-level name.
+"""What the install claims: the packages `echo_jax` and `echo_jax_tools`, no generic top-level name.
 
 A user's project with its own package named `models` (a common name) imports it, and echo_jax,
 whatever is installed: the editable install of this environment (fast test) and a wheel built from
@@ -23,9 +23,9 @@ USER_MODELS = "MARKER = 'the user models package'\n"
 USER_SCRIPT = """
 import models
 import echo_jax
-from echo_jax import p2p
+from echo_jax.transports import cpu
 assert models.MARKER == 'the user models package', models.__file__
-assert p2p.build_info(), 'echo_jax._ffi did not load'
+assert cpu.build_info(), 'echo_jax._ffi did not load'
 print('models from', models.__file__)
 print('echo_jax from', echo_jax.__file__)
 """
@@ -52,7 +52,8 @@ def test_a_user_models_package_is_found_next_to_the_installed_echo_jax(tmp_path)
 
 
 @pytest.mark.slow
-def test_the_wheel_holds_echo_jax_alone_and_installs_next_to_a_user_models_package(tmp_path):
+def test_the_wheel_holds_echo_jax_and_its_tools_and_installs_next_to_a_user_models_package(
+        tmp_path):
     pytest.importorskip("scikit_build_core", reason="building the wheel needs scikit-build-core")
     pytest.importorskip("nanobind", reason="building the wheel needs nanobind")
     dist = tmp_path / "dist"
@@ -63,7 +64,8 @@ def test_the_wheel_holds_echo_jax_alone_and_installs_next_to_a_user_models_packa
     (wheel,) = dist.glob("echo_jax-*.whl")
     with zipfile.ZipFile(wheel) as z:
         top = {name.split("/")[0] for name in z.namelist()}
-    assert {t for t in top if not t.endswith(".dist-info")} == {"echo_jax"}, sorted(top)
+    assert {t for t in top if not t.endswith(".dist-info")} == {"echo_jax", "echo_jax_tools"}, \
+        sorted(top)
 
     site = tmp_path / "site"
     _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),

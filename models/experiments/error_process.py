@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from echo_jax import compensator as comp
-from echo_jax import demo
+from echo_jax_tools import demo
 from models import model as M
 from models.cli import place, write_json
 from models.config import CommConfig

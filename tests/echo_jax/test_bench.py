@@ -1,4 +1,4 @@
-"""Smoke tests of the benchmark CLI (`python -m echo_jax.bench`) on CPU fake devices.
+"""Smoke tests of the benchmark CLI (`python -m echo_jax_tools.bench`) on CPU fake devices.
 
 Tiny sizes and iteration counts: they check the pipeline (rows, JSON fields, correctness columns,
 plot, size gate), not the speed. The end-to-end benchmark is `models.bench_e2e`
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from echo_jax import bench
-from echo_jax import p2p
+from echo_jax.transports import cpu
+from echo_jax_tools import bench
 
 QUICK = ["--iters", "2", "--warmup", "1", "--repeats", "1"]
 ROW_KEYS = ("row", "size_bytes", "ranks", "median_s", "speedup_vs_psum", "max_abs_err",
@@ -85,7 +85,7 @@ def test_allreduce_all_rows_json_and_png(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["machine"] == "cpu4" and result["ranks"] == 4
     assert "fori_loop" in result["timing"]
-    expected = list(bench.ROWS) if "cpu" in p2p.available_platforms() else \
+    expected = list(bench.ROWS) if "cpu" in cpu.available_platforms() else \
         ["psum", "xla8", "xla4"]
     assert [r["row"] for r in result["rows"]] == expected
     for r in result["rows"]:
@@ -158,7 +158,7 @@ def test_fused_and_unfused_rows_agree_bit_for_bit():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as PS
 
-    if "cpu" not in p2p.available_platforms():
+    if "cpu" not in cpu.available_platforms():
         pytest.skip("the CPU custom call is not built")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("tp",))
     put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, PS("tp")))  # noqa: E731

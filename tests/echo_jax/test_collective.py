@@ -219,9 +219,10 @@ def test_hlo_has_no_full_width_all_reduce():
 
 
 def test_hlo_of_the_custom_call_has_no_collective_of_x():
-    from echo_jax import p2p
-    if p2p.unavailable_reason() is not None and "shard_map" not in p2p.unavailable_reason():
-        pytest.skip(p2p.unavailable_reason())
+    from echo_jax import transports
+    reason = transports.unavailable_reason()
+    if reason is not None and "shard_map" not in reason:
+        pytest.skip(reason)
     mesh = make_mesh((4,), ("tp",))
     for rescale in (False, "auto"):
         f = jax.jit(jax.shard_map(functools.partial(ej.echo_psum, axis_name="tp",
@@ -283,8 +284,8 @@ def test_straight_through_gradient_values(transport, mode):
     Loss of rank r: sum(w_r * sin(y)), y = echo(1.5 tanh(x_r)). Straight-through, the gradient
     of sum_r loss_r with respect to x_i is 1.5 sech^2(x_i) * sum_r w_r cos(y), at the y the
     forward pass returned."""
-    from echo_jax import p2p
-    if transport == "p2p" and "cpu" not in p2p.available_platforms():
+    from echo_jax.transports import cpu
+    if transport == "p2p" and "cpu" not in cpu.available_platforms():
         pytest.skip("the CPU custom call is not built")
     nranks, n = 4, 300
     mesh = make_mesh((nranks,), ("tp",))
@@ -316,7 +317,7 @@ def test_straight_through_gradient_values(transport, mode):
     np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-6)
     if transport == "p2p" and mode == "compensated":   # the fused call ran (and was differentiated)
         hlo = jax.jit(jax.grad(lambda *a: total(*a)[0])).lower(*args).compile().as_text()
-        assert p2p.TARGET_COMPENSATED in hlo
+        assert cpu.TARGET_COMPENSATED in hlo
 
 
 def test_rescale_handles_tiny_and_huge_magnitudes():
@@ -366,8 +367,8 @@ def _psum_shard_map(x):
 @pytest.mark.parametrize("transport", ["xla", "p2p"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_size_gate_below_threshold_is_psum_bit_for_bit(transport, dtype):
-    from echo_jax import p2p
-    if transport == "p2p" and "cpu" not in p2p.available_platforms():
+    from echo_jax.transports import cpu
+    if transport == "p2p" and "cpu" not in cpu.available_platforms():
         pytest.skip("the CPU custom call is not built")
     x = jax.random.normal(jax.random.key(8), (4, 3, 100)).astype(dtype)
     nbytes = 300 * jnp.dtype(dtype).itemsize

@@ -1,4 +1,4 @@
-"""Smoke tests of the toy-stack demo (echo_jax.demo) and the CLI `python -m echo_jax demo`.
+"""Smoke tests of the toy-stack demo (echo_jax_tools.demo) and the CLI `python -m echo_jax demo`.
 
 The demo is run at tiny sizes; the assertions check what it is meant to show: the Echo paper's
 error ordering between modes, the partial-sum bounds of Theorem 1 / Eq. 21 on the measured
@@ -19,9 +19,9 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from echo_jax import demo
 from echo_jax.__main__ import main, request_host_devices
 from echo_jax.config import EchoConfig
+from echo_jax_tools import demo
 
 RANKS = 4
 SITES = 12

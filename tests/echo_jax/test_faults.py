@@ -12,7 +12,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import echo_jax as ej
-from echo_jax import p2p
+from echo_jax import p2p, transports
+from echo_jax.transports import cpu
+from echo_jax.transports.base import TIMEOUT_ENV
 from conftest import make_mesh
 
 TRANSPORTS = ("xla", "p2p")
@@ -90,8 +92,8 @@ def test_state_carries_no_derivative_on_every_path(transport, rotation, rescale)
     (ej.EchoConfig(group_size=1 << 17, transport="auto"), 1 << 18),   # group above 65536
 ])
 def test_auto_falls_back_where_the_custom_call_cannot_run(cfg, n):
-    # "auto" checks every limit the custom call enforces before choosing it (p2p.limit_reason),
-    # so whatever "xla" runs, "auto" runs too, with the same bits.
+    # "auto" checks every limit the custom call enforces before choosing it
+    # (transports.limit_reason), so whatever "xla" runs, "auto" runs too, with the same bits.
     nranks = 4
     x = jax.random.normal(jax.random.key(1), (nranks * n,))
     auto = shard_map_call(lambda v: ej.echo_psum(v, "tp", config=cfg), nranks)(x)
@@ -105,10 +107,10 @@ def test_auto_falls_back_where_the_custom_call_cannot_run(cfg, n):
 
 def test_limit_reason_is_the_one_list_of_limits():
     cfg = ej.EchoConfig()
-    assert p2p.limit_reason(cfg, 1000, 4) is None
-    assert "group_size" in p2p.limit_reason(cfg.replace(group_size=1 << 17), 1000, 4)
-    assert "ranks" in p2p.limit_reason(cfg, 1000, p2p.MAX_RANKS + 1)
-    assert "2^31-1" in p2p.limit_reason(cfg, 2 ** 33, 2)
+    assert transports.limit_reason(cfg, 1000, 4) is None
+    assert "group_size" in transports.limit_reason(cfg.replace(group_size=1 << 17), 1000, 4)
+    assert "ranks" in transports.limit_reason(cfg, 1000, cpu.MAX_RANKS + 1)
+    assert "2^31-1" in transports.limit_reason(cfg, 2 ** 33, 2)
 
 
 # -------------------------------------------------------------------------------- validation
@@ -213,10 +215,10 @@ def test_failing_rank_poisons_its_group(monkeypatch, stage, compensated):
     mesh = make_mesh((nranks,), ("tp",))
     x = jax.device_put(jax.random.normal(jax.random.key(3), (nranks * 1000,)),
                        jax.sharding.NamedSharding(mesh, P("tp")))
-    monkeypatch.setenv(p2p.TIMEOUT_ENV, "30")
+    monkeypatch.setenv(TIMEOUT_ENV, "30")
     other = _p2p_program(mesh, nranks, compensated).lower(x).compile()  # another call site
     want = np.asarray(other(x))
-    with p2p.debug_failing_rank(2, cause, stage=stage):
+    with cpu.debug_failing_rank(2, cause, stage=stage):
         failing = _p2p_program(mesh, nranks, compensated).lower(x).compile()
 
     for attempt in range(2):  # the next call on the same group fails the same way, at once
@@ -233,7 +235,7 @@ def test_failing_rank_poisons_its_group(monkeypatch, stage, compensated):
     np.testing.assert_array_equal(np.asarray(other(x)), want)
     fresh = _p2p_program(mesh, nranks, compensated)
     np.testing.assert_array_equal(np.asarray(fresh(x)), want)
-    assert p2p.registry_stats()["pending_joins"] == 0
+    assert cpu.registry_stats()["pending_joins"] == 0
 
 
 # ---------------------------------------------------------------------------- underflow (item 4)
@@ -329,7 +331,7 @@ def test_rescaled_compensated_call_stays_fused():
                                                   rescale=rescale)[0][None],
                            out_specs=P("tp"))
         hlo = f.lower(jnp.ones((4, 1024))).compile().as_text()
-        assert p2p.TARGET_COMPENSATED in hlo, rescale
+        assert cpu.TARGET_COMPENSATED in hlo, rescale
         assert re.search(r"all-reduce\(", hlo), "the factor's scalar pmax"
 
 

@@ -19,13 +19,14 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import echo_jax as ej
-from echo_jax import p2p, tp
+from echo_jax import tp
+from echo_jax.transports import cpu
 from conftest import as_varying, make_mesh, put
 from np_reference import allreduce_error_bound
 
 
 def needs_cpu_custom_call(transport):
-    if transport == "p2p" and "cpu" not in p2p.available_platforms():
+    if transport == "p2p" and "cpu" not in cpu.available_platforms():
         pytest.skip("echo_jax._ffi (the compiled custom call) is not built")
 
 

@@ -21,7 +21,9 @@ import echo_jax as ej
 from conftest import as_varying
 from echo_jax import collective
 from echo_jax import compensator as comp
-from echo_jax import p2p, policies, quant
+from echo_jax import p2p, policies, quant, transports
+from echo_jax.transports import cpu, cuda
+from echo_jax.transports.base import TIMEOUT_ENV, build_mismatch, runtime_ffi_api
 
 POLICIES = policies.NAMES  # ("asym", "sym", "asym_naive")
 CONFIGS = [(b, p) for b in (4, 8) for p in POLICIES]
@@ -29,7 +31,7 @@ SIZES = (1, 127, 1000, 4099)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 pytestmark = pytest.mark.skipif(
-    "cpu" not in p2p.available_platforms(),
+    "cpu" not in cpu.available_platforms(),
     reason="echo_jax._ffi (the compiled custom call) is not built")
 
 
@@ -117,8 +119,7 @@ def test_built_against_the_runtime_jaxlib():
     with (CMakeLists.txt takes the installed jaxlib's; reinstall after changing jaxlib)."""
     import jaxlib
 
-    from echo_jax import p2p_cuda
-    modules = {"echo_jax._ffi": p2p.build_info(), "echo_jax._ffi_cuda": p2p_cuda.build_info()}
+    modules = {"echo_jax._ffi": cpu.build_info(), "echo_jax._ffi_cuda": cuda.build_info()}
     for name, info in modules.items():
         if not info:
             continue  # the CUDA handlers are built only where nvcc is found
@@ -128,30 +129,28 @@ def test_built_against_the_runtime_jaxlib():
         assert info["jaxlib"] == jaxlib.__version__, (
             f"{name} was compiled against the FFI headers of jaxlib {info['jaxlib']} but runs "
             f"with jaxlib {jaxlib.__version__}: reinstall (pip install -e .)")
-        assert tuple(info["xla_ffi_api"]) == p2p.runtime_ffi_api(), (name, info)
-        assert p2p.build_mismatch(info, name) is None
+        assert tuple(info["xla_ffi_api"]) == runtime_ffi_api(), (name, info)
+        assert build_mismatch(info, name) is None
 
 
 def test_a_module_the_runtime_refuses_falls_back_with_the_reason(monkeypatch):
     """A module built against a newer jaxlib's FFI headers than the runtime's is refused by XLA
     at registration (seen: a jaxlib 0.12 build under jaxlib 0.11.2). The custom call then counts
     as unavailable: "auto" runs "xla" (the same bits), "p2p" says why and what to do."""
-    major, minor = p2p.runtime_ffi_api()
+    major, minor = runtime_ffi_api()
     newer = {"jaxlib": "99.0", "xla_ffi_api": (major, minor + 1)}
-    assert p2p.build_mismatch({"jaxlib": "x", "xla_ffi_api": (major, minor)}, "m") is None
+    assert build_mismatch({"jaxlib": "x", "xla_ffi_api": (major, minor)}, "m") is None
     if minor > 0:  # older headers: XLA accepts them (a jaxlib 0.11.2 build runs under 0.12)
-        assert p2p.build_mismatch({"jaxlib": "x", "xla_ffi_api": (major, minor - 1)}, "m") is None
-    assert p2p.build_mismatch({"jaxlib": "x", "xla_ffi_api": (major + 1, 0)}, "m") is not None
-    from echo_jax import transports
-    from echo_jax.transports import cpu
+        assert build_mismatch({"jaxlib": "x", "xla_ffi_api": (major, minor - 1)}, "m") is None
+    assert build_mismatch({"jaxlib": "x", "xla_ffi_api": (major + 1, 0)}, "m") is not None
     monkeypatch.setattr(cpu, "build_info", lambda: newer)  # the CPU transport's own check
-    reason = p2p.unavailable_reason("tp")
+    reason = transports.unavailable_reason("tp")
     assert "jaxlib 99.0" in reason and "pip install --force-reinstall --no-deps -e ." in reason
     with pytest.warns(transports.EchoFallbackWarning, match="rebuilt against its headers"):
         transports.reset_fallback_warnings()
-        assert p2p.choose(ej.EchoConfig(transport="auto"), "tp") == "xla"
+        assert transports.resolve(ej.EchoConfig(transport="auto"), "tp", honor_env=False) == "xla"
     with pytest.raises(ValueError, match="rebuilt against its headers"):
-        p2p.choose(ej.EchoConfig(transport="p2p"), "tp")
+        transports.resolve(ej.EchoConfig(transport="p2p"), "tp", honor_env=False)
 
 
 @pytest.mark.parametrize("g", [2, 8, 128])
@@ -163,7 +162,7 @@ def test_cpp_quantizer_matches_reference(g):
     quantize = jax.jit(quant.quantize_groups, static_argnums=(1, 2))
     dequantize = jax.jit(quant.dequantize_groups, static_argnums=(2, 3))
     for bits, policy in CONFIGS:
-        code = p2p.POLICY_CODES[policy]
+        code = cpu.POLICY_CODES[policy]
         # XLA:CPU runs with subnormals flushed; so do the handlers (they replay XLA's FP env).
         packed, params = _ffi.quantize_groups(x, bits, code, flush_denormals=True)
         ref_packed, ref_params = quantize(x, bits, policy)
@@ -439,7 +438,7 @@ def test_compensated_sites_in_a_scan_update_the_state_without_copies(state_dtype
 
     compiled = program("p2p").lower(xs).compile()
     text = compiled.as_text()
-    target = f'custom_call_target="{p2p.TARGET_COMPENSATED}"'
+    target = f'custom_call_target="{cpu.TARGET_COMPENSATED}"'
     loop = [c for c in re.split(r"\n(?=\S)", text) if target in c]
     assert len(loop) == 1, "the fused call is not in exactly one computation (the loop body)"
     body = loop[0]
@@ -630,7 +629,7 @@ def test_echo_psum_16bit_custom_call_takes_and_returns_x_dtype(dtype, compensate
     f_plain, _ = _echo_psum_16bit(mesh, num_ranks, "p2p", compensated, x, m1, m2, kw,
                                   rescale=False)
     hlo = f_plain.lower(*args).compile().as_text()
-    target = p2p.TARGET_COMPENSATED if compensated else p2p.TARGET
+    target = cpu.TARGET_COMPENSATED if compensated else cpu.TARGET
     calls = [ln for ln in hlo.splitlines() if f'custom_call_target="{target}"' in ln]
     assert len(calls) == 1, calls
     t = {jnp.bfloat16: "bf16", jnp.float16: "f16"}[dtype]
@@ -774,7 +773,7 @@ def test_repeated_calls_stay_correct():
     for y, ref in pending:
         assert_same_bits(y, ref, "separate call")
     assert time.perf_counter() - t0 < 60
-    stats = p2p.registry_stats()
+    stats = cpu.registry_stats()
     assert stats["pending_joins"] == 0
 
 
@@ -804,16 +803,16 @@ def test_echo_psum_transport_p2p_equals_xla():
 
 def test_choose_and_vmap_fallback():
     cfg_auto, cfg_p2p = ej.EchoConfig(), ej.EchoConfig(transport="p2p")
-    assert p2p.choose(ej.EchoConfig(transport="xla")) == "xla"
-    assert p2p.choose(cfg_auto) == "xla"                        # outside shard_map
+    assert transports.resolve(ej.EchoConfig(transport="xla"), honor_env=False) == "xla"
+    assert transports.resolve(cfg_auto, honor_env=False) == "xla"      # outside shard_map
     with pytest.raises(ValueError, match="not called inside jax.shard_map"):
-        p2p.choose(cfg_p2p)
+        transports.resolve(cfg_p2p, honor_env=False)
 
     x = jnp.asarray(rng_inputs(51, 4, 300, np.float32))
     seen = {}
 
     def f(v):
-        seen["choice"] = p2p.choose(cfg_auto, "i")
+        seen["choice"] = transports.resolve(cfg_auto, "i", honor_env=False)
         y = p2p.p2p_allreduce(v, "i", 4, cfg_auto)              # falls back to xla_allreduce
         return y, collective.xla_allreduce(v, "i", 4, cfg_auto)
 
@@ -827,7 +826,7 @@ def test_choose_and_vmap_fallback():
     mesh = mesh_of((2,), ("tp",))
 
     def g(v):
-        seen["inside"] = p2p.choose(cfg_auto, "tp")
+        seen["inside"] = transports.resolve(cfg_auto, "tp", honor_env=False)
         return v
     jax.jit(jax.shard_map(g, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(
         put(np.zeros(4, np.float32), mesh, P("tp")))
@@ -861,14 +860,14 @@ def test_missing_peer_times_out_with_clear_error(monkeypatch):
     mesh = mesh_of((num_ranks,), ("tp",))
     cfg = ej.EchoConfig(bits=4)
     x = put(rng_inputs(61, num_ranks, 256, np.float32), mesh, P("tp"))
-    monkeypatch.setenv(p2p.TIMEOUT_ENV, "0.3")
+    monkeypatch.setenv(TIMEOUT_ENV, "0.3")
 
     def make():
         return jax.jit(jax.shard_map(
             lambda v: as_varying(p2p.p2p_allreduce(v[0], "tp", num_ranks, cfg), ("tp",))[None],
             mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
 
-    with p2p.debug_absent_rank(1):
+    with cpu.debug_absent_rank(1):
         broken = make()
         t0 = time.perf_counter()
         with pytest.raises(jax.errors.JaxRuntimeError) as info:
@@ -880,18 +879,18 @@ def test_missing_peer_times_out_with_clear_error(monkeypatch):
     assert elapsed < 10, elapsed
 
     # The group recovers: a fresh workspace, consistent epochs.
-    monkeypatch.delenv(p2p.TIMEOUT_ENV)
+    monkeypatch.delenv(TIMEOUT_ENV)
     ok = make()
     ref = jax.jit(jax.shard_map(
         lambda v: as_varying(collective.xla_allreduce(v[0], "tp", num_ranks, cfg), ("tp",))[None],
         mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(x)
     for _ in range(3):
         assert_same_bits(ok(x), ref, "after timeout")
-    assert p2p.registry_stats()["pending_joins"] == 0
+    assert cpu.registry_stats()["pending_joins"] == 0
 
 
 def test_bad_timeout_env(monkeypatch):
-    monkeypatch.setenv(p2p.TIMEOUT_ENV, "soon")
+    monkeypatch.setenv(TIMEOUT_ENV, "soon")
     mesh = mesh_of((2,), ("tp",))
     with pytest.raises(ValueError, match="ECHO_JAX_TIMEOUT_S"):
         jax.jit(jax.shard_map(lambda v: p2p.p2p_allreduce(v[0], "tp", 2, ej.EchoConfig())[None],

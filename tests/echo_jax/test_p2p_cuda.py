@@ -1,9 +1,9 @@
 """CUDA custom call (ffi/p2p_cuda.cu, ffi/quant_cuda.cu) against the pure-JAX reference, bit for
 bit. Marked `gpu`: skipped without an NVIDIA GPU; run on the device machine.
 
-* Virtual ranks (`p2p_cuda.virtual_allreduce`, P rank pipelines on one GPU): every machine with
+* Virtual ranks (`cuda.virtual_allreduce`, P rank pipelines on one GPU): every machine with
   a GPU, including the smallest inputs that reach the kernel and a peer that never arrives.
-* One rank per GPU (`p2p_cuda.rank_allreduce`, reached through `echo_psum` with transport "p2p"
+* One rank per GPU (`cuda.rank_allreduce`, reached through `echo_psum` with transport "p2p"
   inside `jax.shard_map` under `jax.set_mesh`): P = 2 .. 8 as far as the machine has GPUs, and
   meshes with two axes; each test skips, saying how many GPUs it needs, where there are fewer.
 """
@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as PS
 
 import echo_jax as ej
 from echo_jax import _compat
-from echo_jax import p2p, policies
+from echo_jax import policies, transports
 from echo_jax import quant
 from conftest import cuda_handlers, reference_allreduce
 
@@ -601,7 +601,7 @@ def test_auto_chooses_the_custom_call_on_local_gpus(cuda):
     seen = {}
 
     def body(v):
-        seen["choice"] = p2p.choose(cfg, "tp", v[0].size)
+        seen["choice"] = transports.resolve(cfg, "tp", v[0].size, honor_env=False)
         return ej.echo_psum(v[0], "tp", config=cfg)[None]
 
     x = jax.device_put(np.ones((2, 4096), np.float32), NamedSharding(mesh, PS("tp")))
@@ -657,12 +657,12 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp, numpy as np
 import echo_jax as ej
-from echo_jax import p2p_cuda
+from echo_jax.transports import cuda
 from conftest import reference_allreduce
 for dtype in (jnp.float32, jnp.bfloat16):
     x = jax.random.normal(jax.random.key(7), (4, 3 * 128 * 1024 + 640)).astype(dtype)
     cfg = ej.EchoConfig(bits=4)
-    got = p2p_cuda.virtual_allreduce(x, cfg)
+    got = cuda.virtual_allreduce(x, cfg)
     want = reference_allreduce(x, cfg)
     assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)), dtype
 print("same bits")

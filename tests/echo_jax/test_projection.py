@@ -1,4 +1,4 @@
-"""The multi-GPU projection (`echo_jax.projection`, `python -m echo_jax.bench project`).
+"""The multi-GPU projection (`echo_jax_tools.projection`, `python -m echo_jax_tools.bench project`).
 
 The formulas against hand-computed values, the model's monotonicity, the measured-JSON paths and
 the command line. No GPU: the module is pure Python + NumPy.
@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from echo_jax import bench
-from echo_jax import projection as pj
+from echo_jax_tools import bench
+from echo_jax_tools import projection as pj
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KERNELS = os.path.join(ROOT, pj.DEFAULT_KERNELS_JSON)

@@ -125,10 +125,10 @@ def _group(rng, g, kind):
 @functools.lru_cache(maxsize=None)
 def _fns(g, bits, policy):
     """Jitted (kernel quantize, kernel dequantize, reference quantize, reference dequantize)."""
-    from echo_jax import p2p_cuda
+    from echo_jax.transports import cuda
     cfg = ej.EchoConfig(bits=bits, group_size=g, policy=policy)
-    return (jax.jit(lambda v: p2p_cuda.quantize(v, cfg)),
-            jax.jit(lambda p, q: p2p_cuda.dequantize(p, q, cfg)),
+    return (jax.jit(lambda v: cuda.quantize(v, cfg)),
+            jax.jit(lambda p, q: cuda.dequantize(p, q, cfg)),
             jax.jit(lambda v: quant.quantize_groups(v.reshape(-1, g), bits, policy)),
             jax.jit(lambda p, q: quant.dequantize_groups(p, q, bits, policy).reshape(-1)))
 

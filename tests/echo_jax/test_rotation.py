@@ -11,11 +11,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import echo_jax as ej
-from echo_jax import p2p, rotation
+from echo_jax import rotation
+from echo_jax.transports import cpu
 from conftest import make_mesh, put
 from np_reference import allreduce_error_bound
 
-HAVE_CPU_CALL = "cpu" in p2p.available_platforms()
+HAVE_CPU_CALL = "cpu" in cpu.available_platforms()
 needs_call = pytest.mark.skipif(not HAVE_CPU_CALL, reason="the CPU custom call is not built")
 
 
@@ -214,7 +215,7 @@ def test_p2p_with_rotation_runs_the_fused_call():
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=(P("tp"), P("tp"))))
     hlo = f.lower(put(jnp.ones((4, 4096)), mesh, P("tp"))).compile().as_text()
-    assert p2p.TARGET_COMPENSATED in hlo and "rotate = 1" in hlo
+    assert cpu.TARGET_COMPENSATED in hlo and "rotate = 1" in hlo
     for op in ("all-to-all(", "all-gather("):
         assert op not in hlo
     # Only the default rescaling's scalar pmax (of x) is an all-reduce.

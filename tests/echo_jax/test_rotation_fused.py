@@ -26,7 +26,7 @@ from echo_jax import collective, p2p, transports
 from echo_jax.transports import cpu, xla
 from conftest import make_mesh, put
 
-HAVE_CPU_CALL = "cpu" in p2p.available_platforms()
+HAVE_CPU_CALL = "cpu" in cpu.available_platforms()
 needs_call = pytest.mark.skipif(not HAVE_CPU_CALL, reason="the CPU custom call is not built")
 
 STEPS = 3  # compensated steps, the state threaded from one to the next

@@ -215,8 +215,8 @@ def test_float32_state_is_unchanged():
     (2, jnp.float32, "none"), (4, jnp.float32, "none"), (2, jnp.bfloat16, "none"),
     (4, jnp.bfloat16, "none"), (3, jnp.float16, "hadamard"), (4, jnp.float32, "hadamard")])
 def test_xla_equals_p2p_bit_for_bit_with_a_bf16_state(nranks, xdtype, rotation):
-    from echo_jax import p2p
-    if "cpu" not in p2p.available_platforms():
+    from echo_jax.transports import cpu
+    if "cpu" not in cpu.available_platforms():
         pytest.skip("echo_jax._ffi (the compiled custom call) is not built")
     if len(jax.devices()) < nranks:
         pytest.skip(f"needs {nranks} devices")
@@ -228,8 +228,8 @@ def test_xla_equals_p2p_bit_for_bit_with_a_bf16_state(nranks, xdtype, rotation):
         out, text = compensated_sites(cfg, xs)
         # p2p: the fused call, once a step (apply and update inside it); xla: no custom call.
         target = 'custom_call_target="{}"'.format
-        assert text.count(target(p2p.TARGET_COMPENSATED)) == (steps if transport == "p2p" else 0)
-        assert target(p2p.TARGET) not in text
+        assert text.count(target(cpu.TARGET_COMPENSATED)) == (steps if transport == "p2p" else 0)
+        assert target(cpu.TARGET) not in text
         return out
 
     got, want = run("p2p"), run("xla")

@@ -62,8 +62,8 @@ def random_state(shape, seed):
 
 
 def cpu_custom_call_or_skip(nranks):
-    from echo_jax import p2p
-    if "cpu" not in p2p.available_platforms():
+    from echo_jax.transports import cpu
+    if "cpu" not in cpu.available_platforms():
         pytest.skip("echo_jax._ffi (the compiled custom call) is not built")
     if len(jax.devices()) < nranks:
         pytest.skip(f"needs {nranks} devices")
@@ -152,7 +152,7 @@ def test_update_beside_is_the_in_call_update_for_float32():
 ])
 def test_applied_call_equals_xla_bit_for_bit(nranks, xdtype, state_dtype, rotation, bits_,
                                              policy, rescale):
-    from echo_jax import p2p
+    from echo_jax.transports import cpu
     cpu_custom_call_or_skip(nranks)
     n, steps = 1000, 3
     xs = jax.random.normal(jax.random.key(nranks), (nranks, steps, n)).astype(xdtype)
@@ -162,9 +162,9 @@ def test_applied_call_equals_xla_bit_for_bit(nranks, xdtype, state_dtype, rotati
                             state_dtype=state_dtype, state_update="separate")
         out, text = compensated_sites(cfg, xs, rescale=rescale)
         target = 'custom_call_target="{}"'.format
-        assert text.count(target(p2p.TARGET_APPLIED)) == (steps if transport == "p2p" else 0)
-        assert target(p2p.TARGET_COMPENSATED) not in text
-        assert target(p2p.TARGET) not in text
+        assert text.count(target(cpu.TARGET_APPLIED)) == (steps if transport == "p2p" else 0)
+        assert target(cpu.TARGET_COMPENSATED) not in text
+        assert target(cpu.TARGET) not in text
         return out
 
     got, want = run("p2p"), run("xla")

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import echo_jax as ej
 from conftest import make_mesh, put
-from echo_jax import collective, compensator, p2p, policies, transports
+from echo_jax import collective, compensator, policies, transports
 from echo_jax.transports import cpu, cuda, xla
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,7 +113,8 @@ def test_select_outside_shard_map():
     with pytest.raises(ValueError, match="^p2p_allreduce: EchoConfig.transport='p2p'"):
         transports.select(forced, "tp", where="p2p_allreduce")
     # The names the older entry points return are select's.
-    assert collective.resolve_transport(auto, "tp") == p2p.choose(auto, "tp") == "xla"
+    assert collective.resolve_transport(auto, "tp") == "xla"
+    assert transports.resolve(auto, "tp", honor_env=False) == "xla"
 
 
 def test_select_inside_shard_map_and_the_kill_switch(monkeypatch):
@@ -128,7 +129,8 @@ def test_select_inside_shard_map_and_the_kill_switch(monkeypatch):
         seen["big"] = transports.select(big, "tp", 1000)       # beyond the call's limit: xla
         seen["override"] = transports.select(ej.EchoConfig(transport="xla"), "tp",
                                              transport="auto")
-        seen["names"] = (collective.resolve_transport(auto, "tp", 1000), p2p.choose(auto, "tp"))
+        seen["names"] = (collective.resolve_transport(auto, "tp", 1000),
+                         transports.resolve(auto, "tp", honor_env=False))
 
     in_shard_map(probe)
     assert seen["auto"] is seen["forced"] is seen["override"] is transports.CPU
@@ -139,7 +141,7 @@ def test_select_inside_shard_map_and_the_kill_switch(monkeypatch):
 
     monkeypatch.setenv(transports.FORCE_XLA_ENV, "1")
     in_shard_map(lambda v: seen.update(env=transports.select(forced, "tp", 1000),
-                                       explicit=p2p.choose(forced, "tp")))
+                                       explicit=transports.resolve(forced, "tp", honor_env=False)))
     assert seen["env"] is transports.XLA    # echo_psum honours the kill switch
     assert seen["explicit"] == "p2p"        # the explicit p2p entry points do not
 
@@ -297,7 +299,7 @@ def test_the_plan_names_every_choice_and_fallback():
 def test_policy_table():
     assert policies.NAMES == ("asym", "sym", "asym_naive")
     assert policies.CODES == {"asym": 0, "sym": 1, "asym_naive": 2}
-    assert p2p.POLICY_CODES == cpu.POLICY_CODES == cuda.POLICY_CODES == policies.CODES
+    assert cpu.POLICY_CODES == cuda.POLICY_CODES == policies.CODES
     assert ej.quant.POLICIES == ej.config.POLICIES == policies.NAMES
     assert [policies.num_params(p) for p in policies.NAMES] == [2, 1, 2]
     assert policies.BY_LABEL["naive"] == "asym_naive"

@@ -225,9 +225,9 @@ def test_p2p_equals_xla_under_a_mixed_policy(data):
     """The custom call inside the per-site switch: the same bits as the pure-JAX transport
     (shard_map; logits, loss and gradients, i.e. forward and backward sites), the same logits
     on every rank."""
-    from echo_jax import p2p
+    from echo_jax.transports import cpu
 
-    if "cpu" not in p2p.available_platforms():
+    if "cpu" not in cpu.available_platforms():
         pytest.skip("echo_jax._ffi (the compiled custom call) is not built")
     x, y = data
     st = M.shard_params(M.init_params(jax.random.key(8), TINY), 2, TINY)

@@ -1,12 +1,14 @@
 """Jit-compiled benchmarks of the Echo all-reduce, its kernels and a tensor-parallel model.
 
-    python -m echo_jax.bench allreduce [--sizes small,large] [--ranks P] [--virtual] [--rows ...]
-                                       [--iters 80] [--warmup 30] [--gate] [--json OUT] [--png OUT]
-    python -m echo_jax.bench gate      [--sizes small] [--gate-row ROW]   (the size-gate threshold)
-    python -m echo_jax.bench kernels   [--sizes 64MB,256MB] [--json OUT]          (one GPU)
-    python -m echo_jax.bench virtual   [--ranks 4] [--sizes 16MB,256MB] [--json OUT]  (one GPU)
-    python -m echo_jax.bench project   [--preset a100-nvlink3] [--ranks 4,8] [--json OUT]
-                                       (no GPU: a projection for P-GPU NVLink machines)
+    python -m echo_jax_tools.bench allreduce [--sizes small,large] [--ranks P] [--virtual]
+                                             [--rows ...] [--iters 80] [--warmup 30] [--gate]
+                                             [--json OUT] [--png OUT]
+    python -m echo_jax_tools.bench gate      [--sizes small] [--gate-row ROW]   (the size gate)
+    python -m echo_jax_tools.bench kernels   [--sizes 64MB,256MB] [--json OUT]        (one GPU)
+    python -m echo_jax_tools.bench virtual   [--ranks 4] [--sizes 16MB,256MB] [--json OUT]
+                                                                                     (one GPU)
+    python -m echo_jax_tools.bench project   [--preset a100-nvlink3] [--ranks 4,8] [--json OUT]
+                                             (no GPU: a projection for P-GPU NVLink machines)
 
 allreduce: the rows of the Echo paper's Table 2 from one run, per message size (bytes per rank):
 `lax.psum` (the 16-bit baseline: NCCL on GPUs), the two-collective Echo protocol in pure JAX
@@ -15,8 +17,8 @@ compensated 4-bit call with the compensator as separate jnp ops around the uncom
 ("unfused") or inside it ("fused"). Ranks are the local devices under `jax.shard_map` (on CPU the
 fake devices of XLA_FLAGS=--xla_force_host_platform_device_count, which the command requests
 itself, and the CPU custom call), or with `--virtual` P virtual ranks on one GPU
-(`echo_jax.p2p_cuda.virtual_allreduce`; there the psum row is a local reduction of the P rows, not
-a collective). Every row is checked against the psum row beside its time.
+(`echo_jax.transports.cuda.virtual_allreduce`; there the psum row is a local reduction of the P
+rows, not a collective). Every row is checked against the psum row beside its time.
 
 Timing (allreduce, gate, kernels, virtual): each measured op runs inside one jitted
 `lax.fori_loop`, chained through an optimization barrier that carries the op's whole output, so
@@ -30,7 +32,7 @@ the host does not wait between calls. `kernels` runs 8 calls an iteration on 8 d
 is shared by 8 calls of a kernel that takes 50-150 us.
 
 The end-to-end benchmark of a `models` preset (time to first token and training step per
-all-reduce mode) is `python -m models.bench_e2e`: the library does not import the models.
+all-reduce mode) is `python -m models.bench_e2e`: the tools do not import the models.
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 import echo_jax as ej
-from echo_jax import collective, p2p_cuda, projection
+from echo_jax import collective
 from echo_jax import compensator as comp
 from echo_jax._cli import (SIZE_ALIASES, format_size, parse_size,  # noqa: F401 - bench.parse_size
                            parse_sizes, positive_int, request_host_devices, write_json)
+from echo_jax.transports import cuda
+from echo_jax_tools import projection
 
 #: Rows of `bench allreduce`, in the order they are run and printed.
 ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-rot", "p2p4-rescale", "p2p4-comp-unfused",
@@ -327,13 +331,13 @@ def _virtual_rows(ranks: int):
         x, m1, m2 = v
         state = comp.CompensatorState(m1, m2)
         xp = comp.apply_correction(x.astype(jnp.float32), state, k)
-        y32 = p2p_cuda.virtual_allreduce(xp, wire["comp"])
+        y32 = cuda.virtual_allreduce(xp, wire["comp"])
         new = comp.update_state(xp, y32, ranks, state, k)
         return y32.astype(x.dtype), new.m1, new.m2
 
     def fused(v, cfg=wire["comp"]):
         x, m1, m2 = v
-        y, new = p2p_cuda.virtual_allreduce(x, cfg, comp.CompensatorState(m1, m2))
+        y, new = cuda.virtual_allreduce(x, cfg, comp.CompensatorState(m1, m2))
         return y, new.m1, new.m2
 
     rows = {"psum": (vmapped(lambda r: lax.psum(r, "tp")), None)}
@@ -341,12 +345,12 @@ def _virtual_rows(ranks: int):
         rows[name] = (vmapped(lambda r, c=cfgs[name]: ej.echo_psum(r, "tp", config=c,
                                                                    rescale=False)), None)
     for name in ("p2p8", "p2p4", "p2p4-rot"):
-        rows[name] = (jax.jit(lambda v, c=wire[name]: p2p_cuda.virtual_allreduce(v, c)), None)
+        rows[name] = (jax.jit(lambda v, c=wire[name]: cuda.virtual_allreduce(v, c)), None)
 
     def rescaled(v):
         # echo_psum's default: the factor from max |x| and a pmax over the ranks, then the call.
         f = jax.vmap(lambda r: collective.rescale_factor(r, "tp", "auto"), axis_name="tp")(v)
-        return p2p_cuda.virtual_allreduce(v, wire["p2p4"], factor=f[0])
+        return cuda.virtual_allreduce(v, wire["p2p4"], factor=f[0])
 
     rows["p2p4-rescale"] = (jax.jit(rescaled), None)
     rows["p2p4-comp-unfused"] = (jax.jit(unfused), "float32")
@@ -378,7 +382,7 @@ def with_next_matmul(fn, compensated: bool, w):
 def _row_unavailable(name: str, fn, example, virtual: bool):
     """Why a row cannot run here (None when it can): traces it on `example`."""
     if virtual and name.startswith("p2p"):
-        if not p2p_cuda.available():
+        if not cuda.available():
             return "the CUDA custom call (echo_jax._ffi_cuda) or a GPU is missing"
     try:
         jax.eval_shape(fn, example)
@@ -774,14 +778,14 @@ def bench_kernels(args) -> dict:
             wire = n // 128 * (128 * bits // 8 + 4)
             for dtype in (jnp.float32, jnp.bfloat16):
                 xd = x.astype(dtype)
-                q_s = time_op(lambda v: p2p_cuda.quantize(v, cfg), xd, args.iters, args.repeats,
+                q_s = time_op(lambda v: cuda.quantize(v, cfg), xd, args.iters, args.repeats,
                               calls_per_iteration=k_calls)
                 moved = n * jnp.dtype(dtype).itemsize + wire
                 rows.append(dict(op=f"quantize {bits}-bit", dtype=jnp.dtype(dtype).name,
                                  size_bytes=size, seconds=q_s, bytes_moved=moved,
                                  gbps=moved / q_s / 1e9, pct_of_copy=100 * moved / q_s / copy_bw))
-            packed, params = jax.jit(lambda v: p2p_cuda.quantize(v, cfg))(x)
-            d_s = time_op(lambda p: p2p_cuda.dequantize(p[0], p[1], cfg), (packed, params),
+            packed, params = jax.jit(lambda v: cuda.quantize(v, cfg))(x)
+            d_s = time_op(lambda p: cuda.dequantize(p[0], p[1], cfg), (packed, params),
                           args.iters, args.repeats, calls_per_iteration=k_calls)
             moved = wire + 4 * n
             rows.append(dict(op=f"dequantize {bits}-bit", dtype="float32", size_bytes=size,
@@ -826,17 +830,17 @@ def bench_virtual(args) -> dict:
                             axis_name="tp")(v)
 
         def p2p(v, bits):
-            return p2p_cuda.virtual_allreduce(v, ej.EchoConfig(bits=bits))
+            return cuda.virtual_allreduce(v, ej.EchoConfig(bits=bits))
 
         def fused(v):
-            return p2p_cuda.virtual_allreduce(v, ej.EchoConfig(bits=4), state)
+            return cuda.virtual_allreduce(v, ej.EchoConfig(bits=4), state)
 
         def unfused(v):
             # The compensator as separate jnp passes around the uncompensated custom call.
             cfg = ej.EchoConfig(bits=4)
             k = comp.Coefficients.from_config(cfg)
             xp = comp.apply_correction(v, state, k)
-            y = p2p_cuda.virtual_allreduce(xp, cfg)
+            y = cuda.virtual_allreduce(xp, cfg)
             return y, comp.update_state(xp, y, P, state, k)
 
         cases = [("xla 8-bit", lambda v: xla(v, 8)), ("xla 4-bit", lambda v: xla(v, 4)),
@@ -928,14 +932,14 @@ def _add_allreduce_args(p, gate: bool) -> None:
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
 
 
-#: What `python -m echo_jax.bench e2e` prints: the end-to-end benchmark moved to the models.
-E2E_MOVED = ("python -m echo_jax.bench e2e: moved; run `python -m models.bench_e2e` with the same "
-             "flags")
+#: What `python -m echo_jax_tools.bench e2e` prints: the end-to-end benchmark is the models'.
+E2E_MOVED = ("python -m echo_jax_tools.bench e2e: the end-to-end benchmark is "
+             "`python -m models.bench_e2e` (same flags)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `python -m echo_jax.bench`."""
-    parser = argparse.ArgumentParser(prog="python -m echo_jax.bench", description=__doc__,
+    """The argument parser of `python -m echo_jax_tools.bench`."""
+    parser = argparse.ArgumentParser(prog="python -m echo_jax_tools.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("allreduce", help="all-reduce latency of every row against psum",
@@ -967,7 +971,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "comp-fused, comp-separate) on a P-GPU NVLink machine from a "
                                    "stated link "
                                    "model and the measured single-GPU times: a projection, not "
-                                   "a measurement. Formulas: echo_jax/projection.py.")
+                                   "a measurement. Formulas: echo_jax_tools/projection.py.")
     projection.add_arguments(p)
     return parser
 
@@ -1009,7 +1013,7 @@ def main(argv=None) -> int:
             projection.run(args)
             return 0
     except ValueError as err:
-        print(f"python -m echo_jax.bench {args.cmd}: error: {err}", file=sys.stderr)
+        print(f"python -m echo_jax_tools.bench {args.cmd}: error: {err}", file=sys.stderr)
         return 2
     result = bench_kernels(args) if args.cmd == "kernels" else bench_virtual(args)
     for row in result["rows"]:

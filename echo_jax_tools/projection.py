@@ -1,6 +1,6 @@
 r"""Projection of one all-reduce on a real P-GPU NVLink machine from single-GPU measurements.
 
-    python -m echo_jax.bench project [--preset a100-nvlink3|h200-nvlink4|all] [--ranks 4,8]
+    python -m echo_jax_tools.bench project [--preset a100-nvlink3|h200-nvlink4|all] [--ranks 4,8]
         [--sizes 64MB,256MB,1GB] [--dtypes float32,bfloat16] [--link-gbps G] [--latency-us A]
         [--hbm-gbps H] [--nccl-busbw-gbps B] [--p2p-eff E] [--state-bytes 4]
         [--kernels-json F|none] [--allreduce-json F|none] [--json OUT] [--png OUT]
@@ -690,7 +690,7 @@ def plot(result: dict, path: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Command line (registered as `python -m echo_jax.bench project`)
+# Command line (registered as `python -m echo_jax_tools.bench project`)
 
 
 def _list_arg(choices):
