@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "EchoConfig": "echo_jax.config",
     "CompensatorState": "echo_jax.compensator",
+    "QuantizedMoment": "echo_jax.compensator",
     "init_state": "echo_jax.compensator",
     "echo_psum": "echo_jax.collective",
     "resolve_transport": "echo_jax.collective",
@@ -45,7 +46,7 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "EchoConfig", "CompensatorState", "init_state", "echo_psum", "resolve_transport",
+    "EchoConfig", "CompensatorState", "QuantizedMoment", "init_state", "echo_psum", "resolve_transport",
     "segment_layout", "quantize_groups", "dequantize_groups", "quantize_dequantize",
     "hadamard_rotate", "hadamard_unrotate", "hadamard_signs", "parse_site_config",
     "site_config_label", "site_wire_bits", "choose_site_configs", "row_parallel_matmul",

@@ -406,8 +406,7 @@ def _echo_float(x, state, axis, config: EchoConfig, rescale: bool):
     if state is not None:
         state = jax.tree.map(lax.stop_gradient, state)
         state = comp.to_varying_state(state, axis)
-        m = comp.CompensatorState(jnp.ravel(state.m1), jnp.ravel(state.m2), state.s1,
-                                  state.s2)
+        m = comp.flat_state(state)
     plan = transports.plan(config, axis, flat.shape[0], num_ranks=num_ranks,
                            state_dtype=None if state is None else config.state_dtype,
                            rescale=rescale)
@@ -460,8 +459,7 @@ def _echo_float(x, state, axis, config: EchoConfig, rescale: bool):
     # The state carries no derivative on any path (the fused call's rule too): it is feedback
     # for the next call, not a function of x to differentiate.
     new = jax.tree.map(lax.stop_gradient, new)
-    return y, comp.CompensatorState(new.m1.reshape(shape), new.m2.reshape(shape), new.s1,
-                                    new.s2)
+    return y, comp.shaped_state(new, shape)
 
 
 def _update_after(x, y, num_ranks, state, plan):

@@ -28,7 +28,8 @@ on load, round to nearest even on store), so every transport gives the same bits
 
 The int8 state (`EchoConfig.state_dtype="int8"`): m1 and m2 are int8 codes in x's shape, and each
 has one fp32 scale per group of STATE_GROUP = 128 consecutive values of the rank's flattened
-array (`s1`, `s2` of `CompensatorState`, [ceil(size / 128)]; the last group may be short). A
+array (`QuantizedMoment(codes, scales)`, scales [ceil(size / 128)]; the last group may be
+short). A
 stored average v (fp32, one group) is
 
     s = max|v| / 127           (correctly rounded; 0 for an all-zero group)
@@ -67,21 +68,26 @@ from echo_jax.quant import _no_fma
 STATE_GROUP = 128
 
 
+class QuantizedMoment(NamedTuple):
+    """One average of the int8 state (`EchoConfig.state_dtype="int8"`): int8 codes in x's
+    per-rank shape and their fp32 scales, one per STATE_GROUP values of the flattened array."""
+
+    codes: jax.Array
+    scales: jax.Array
+
+
 class CompensatorState(NamedTuple):
     """State of one compensated site sequence, per rank: arrays of x's per-rank shape, in the
-    state dtype (`EchoConfig.state_dtype`; fp32 by default). With the int8 state, m1 and m2 are
-    the codes and s1, s2 their per-group fp32 scales ([ceil(size / STATE_GROUP)]); None for
-    the other state dtypes."""
+    state dtype (`EchoConfig.state_dtype`; fp32 by default); with the int8 state, each of m1,
+    m2 is a `QuantizedMoment` (codes in x's shape, per-group scales)."""
 
-    m1: jax.Array
-    m2: jax.Array
-    s1: jax.Array | None = None
-    s2: jax.Array | None = None
+    m1: jax.Array | QuantizedMoment
+    m2: jax.Array | QuantizedMoment
 
     @property
     def quantized(self) -> bool:
-        """Whether m1, m2 are int8 codes with per-group scales s1, s2."""
-        return self.s1 is not None
+        """Whether m1, m2 are int8 codes with per-group scales (`QuantizedMoment`)."""
+        return isinstance(self.m1, QuantizedMoment)
 
 
 def state_dtype(config: EchoConfig | None = None, dtype=None):
@@ -173,7 +179,7 @@ def init_state(x, config: EchoConfig | None = None, *, dtype=None, axis_name=Non
             return CompensatorState(z, z)
         s = _compat.to_varying(jnp.zeros((num_state_groups(jnp.size(leaf)),), jnp.float32),
                                tuple(varying) + axes)
-        return CompensatorState(z, z, s, s)
+        return CompensatorState(QuantizedMoment(z, s), QuantizedMoment(z, s))
 
     return jax.tree.map(one, x)
 
@@ -231,10 +237,10 @@ def dequantize_state(q, scale):
     return (g * scale[:, None]).reshape(-1)[:size].reshape(jnp.shape(q))
 
 
-def _widen(m, scale=None):
+def _widen(m):
     """A stored average as fp32 (exact for a bfloat16 state; no op for fp32; q * s for int8)."""
-    if scale is not None:
-        return dequantize_state(m, scale)
+    if isinstance(m, QuantizedMoment):
+        return dequantize_state(m.codes, m.scales)
     return m if jnp.result_type(m) == jnp.float32 else m.astype(jnp.float32)
 
 
@@ -250,17 +256,33 @@ def _store(v32, dtype):
     return lax.reduce_precision(v32, exponent_bits=8, mantissa_bits=7).astype(dtype)
 
 
+def flat_state(state: CompensatorState) -> CompensatorState:
+    """The state with its arrays (an int8 state's codes) flattened; scales stay as they are."""
+    def flat(m):
+        return QuantizedMoment(jnp.ravel(m.codes), m.scales) if isinstance(
+            m, QuantizedMoment) else jnp.ravel(m)
+    return CompensatorState(flat(state.m1), flat(state.m2))
+
+
+def shaped_state(state: CompensatorState, shape) -> CompensatorState:
+    """`flat_state` undone: the arrays (an int8 state's codes) reshaped to `shape`."""
+    def shaped(m):
+        return QuantizedMoment(m.codes.reshape(shape), m.scales) if isinstance(
+            m, QuantizedMoment) else m.reshape(shape)
+    return CompensatorState(shaped(state.m1), shaped(state.m2))
+
+
 def moments(state: CompensatorState):
     """(m1, m2) of a state as fp32 values in their shape, whatever the state dtype."""
-    return _widen(state.m1, state.s1), _widen(state.m2, state.s2)
+    return _widen(state.m1), _widen(state.m2)
 
 
 def stored_like(n1, n2, state: CompensatorState) -> CompensatorState:
     """New fp32 averages n1, n2 stored in the format of `state` (its dtype; int8 codes and
     scales for an int8 state)."""
     if state.quantized:
-        (q1, s1), (q2, s2) = quantize_state(n1), quantize_state(n2)
-        return CompensatorState(q1, q2, s1, s2)
+        return CompensatorState(QuantizedMoment(*quantize_state(n1)),
+                                QuantizedMoment(*quantize_state(n2)))
     return CompensatorState(_store(n1, jnp.result_type(state.m1)),
                             _store(n2, jnp.result_type(state.m2)))
 
@@ -361,15 +383,23 @@ def to_varying_state(state: CompensatorState | None, axis) -> CompensatorState |
 def check_state(state, x, where: str = "echo_psum", config: EchoConfig | None = None) -> None:
     """Raise a ValueError that names the problem if `state` does not fit contribution `x`.
 
-    The state's dtype must be config.state_dtype (float32 when config is None); an int8 state
-    has fp32 scales s1, s2 of ceil(size / STATE_GROUP) values, the others none.
+    The state's dtype must be config.state_dtype (float32 when config is None); an int8 state's
+    m1, m2 are `QuantizedMoment`s with fp32 scales of ceil(size / STATE_GROUP) values.
     """
     if not isinstance(state, CompensatorState):
         raise ValueError(
             f"{where}: state must be a CompensatorState(m1, m2) (see echo_jax.init_state), "
             f"got {type(state).__name__}")
     want = jnp.dtype(config.state_dtype if config is not None else jnp.float32)
-    for name, arr in (("m1", state.m1), ("m2", state.m2)):
+    groups = (num_state_groups(jnp.size(x)),)
+    for name, m in (("m1", state.m1), ("m2", state.m2)):
+        if (want == jnp.int8) != isinstance(m, QuantizedMoment):
+            raise ValueError(
+                f"{where}: state.{name} must be " + (
+                    "a QuantizedMoment(codes, scales) for EchoConfig.state_dtype='int8'"
+                    if want == jnp.int8 else f"a {want} array (EchoConfig.state_dtype="
+                    f"{want.name!r}), got a QuantizedMoment") + "; use init_state(x, config)")
+        arr = m.codes if isinstance(m, QuantizedMoment) else m
         if jnp.shape(arr) != jnp.shape(x):
             raise ValueError(f"{where}: state.{name} has shape {jnp.shape(arr)} but the "
                              f"contribution has shape {jnp.shape(x)}; use init_state(x)")
@@ -377,21 +407,15 @@ def check_state(state, x, where: str = "echo_psum", config: EchoConfig | None = 
             raise ValueError(
                 f"{where}: state.{name} must be {want} (EchoConfig.state_dtype="
                 f"{want.name!r}), got {jnp.result_type(arr)}; use init_state(x, config)")
-    groups = (num_state_groups(jnp.size(x)),)
-    for name, arr in (("s1", state.s1), ("s2", state.s2)):
-        if want != jnp.int8:
-            if arr is not None:
-                raise ValueError(f"{where}: state.{name} is set, but only an int8 state has "
-                                 "scales; use init_state(x, config)")
-        elif arr is None or jnp.shape(arr) != groups or jnp.result_type(arr) != jnp.float32:
+        if isinstance(m, QuantizedMoment) and (
+                jnp.shape(m.scales) != groups or jnp.result_type(m.scales) != jnp.float32):
             raise ValueError(
-                f"{where}: an int8 state needs float32 scales state.{name} of shape {groups} "
-                f"(one per {STATE_GROUP} values), got "
-                f"{None if arr is None else (jnp.shape(arr), str(jnp.result_type(arr)))}; "
-                "use init_state(x, config)")
+                f"{where}: state.{name}.scales must be float32 of shape {groups} (one per "
+                f"{STATE_GROUP} values), got {jnp.shape(m.scales)} "
+                f"{jnp.result_type(m.scales)}; use init_state(x, config)")
 
 
-__all__ = ["CompensatorState", "STATE_GROUP", "num_state_groups", "quantize_state",
+__all__ = ["CompensatorState", "QuantizedMoment", "flat_state", "shaped_state", "STATE_GROUP", "num_state_groups", "quantize_state",
            "dequantize_state", "moments", "stored_like", "init_state", "leaf_kind", "state_dtype", "Coefficients",
            "apply_correction", "update_state", "update_beside", "update_stream",
            "UPDATE_STREAM_ENV", "to_varying_state"]

@@ -167,9 +167,9 @@ def _p2p_transient_ulp():
     import numpy as np
     from jax.experimental import io_callback
 
-    from echo_jax import p2p
+    from echo_jax.transports import explicit
 
-    original = p2p.p2p_allreduce
+    original = explicit.p2p_allreduce
     calls = {"n": 0}
 
     def tick():

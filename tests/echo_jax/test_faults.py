@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import echo_jax as ej
-from echo_jax import p2p, transports
+from echo_jax import transports
+from echo_jax.transports import explicit
 from echo_jax.transports import cpu
 from echo_jax.transports.base import TIMEOUT_ENV
 from conftest import make_mesh
@@ -194,9 +195,9 @@ def _p2p_program(mesh, nranks, compensated, calls=3):
     def body(v):
         def step(c, _):
             if compensated:
-                y, _, _ = p2p.p2p_allreduce_compensated(v + c, v * 0, v * 0, "tp", nranks, cfg)
+                y, _, _ = explicit.p2p_allreduce_compensated(v + c, v * 0, v * 0, "tp", nranks, cfg)
             else:
-                y = p2p.p2p_allreduce(v + c, "tp", nranks, cfg)
+                y = explicit.p2p_allreduce(v + c, "tp", nranks, cfg)
             return c + jnp.float32(1), y
         _, ys = jax.lax.scan(step, jnp.float32(0), None, length=calls)
         return jax.lax.pcast(ys[-1], ("tp",), to="varying")

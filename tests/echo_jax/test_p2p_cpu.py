@@ -21,7 +21,8 @@ import echo_jax as ej
 from conftest import as_varying
 from echo_jax import collective
 from echo_jax import compensator as comp
-from echo_jax import p2p, policies, quant, transports
+from echo_jax import policies, quant, transports
+from echo_jax.transports import explicit
 from echo_jax.transports import cpu, cuda
 from echo_jax.transports.base import TIMEOUT_ENV, build_mismatch, runtime_ffi_api
 
@@ -255,7 +256,7 @@ def run_both(num_ranks, configs, inputs):
         outs = []
         for i, (cfg, x) in enumerate(zip(configs, xs)):
             flat = jnp.ravel(x[0]).astype(jnp.float32)
-            got = p2p.p2p_allreduce(flat, "tp", num_ranks, cfg)
+            got = explicit.p2p_allreduce(flat, "tp", num_ranks, cfg)
             if i == 0:  # typed like the reference (trace only: the value is not used)
                 want = collective.xla_allreduce(flat, "tp", num_ranks, cfg)
                 assert jax.typeof(got).mat == jax.typeof(want).mat
@@ -353,7 +354,7 @@ def test_compensated_matches_reference(num_ranks):
         x, m1, m2 = x[0], m1[0], m2[0]
         outs = []
         for cfg in configs:
-            y, n1, n2 = p2p.p2p_allreduce_compensated(x, m1, m2, "tp", num_ranks, cfg)
+            y, n1, n2 = explicit.p2p_allreduce_compensated(x, m1, m2, "tp", num_ranks, cfg)
             k = comp.Coefficients.from_config(cfg)
             state = comp.CompensatorState(m1, m2)
             xp = comp.apply_correction(x, state, k)
@@ -403,7 +404,7 @@ def test_compensated_state_updated_in_place_under_donation():
 
     zeros = lambda: put(np.zeros((num_ranks, n), np.float32), mesh, P("tp"))  # noqa: E731
     xs = put(x, mesh, P("tp"))
-    got = run(lambda x, a, b: p2p.p2p_allreduce_compensated(x, a, b, "tp", num_ranks, cfg))(
+    got = run(lambda x, a, b: explicit.p2p_allreduce_compensated(x, a, b, "tp", num_ranks, cfg))(
         xs, zeros(), zeros())
     want = run(ref)(xs, zeros(), zeros())
     for a, b, name in zip(got, want, ("m1", "m2", "y")):
@@ -536,13 +537,13 @@ def test_16bit_contributions_enter_the_call_and_match_xla_bit_for_bit(num_ranks)
             x = x[0]
             assert x.dtype == dt
             if not compensated:
-                got = p2p.p2p_allreduce(x, "tp", num_ranks, cfg)
+                got = explicit.p2p_allreduce(x, "tp", num_ranks, cfg)
                 want = collective.xla_allreduce(x.astype(jnp.float32), "tp", num_ranks,
                                                 cfg).astype(dt)
                 pairs = [(got, want)]
             else:
                 m1, m2 = ms[2 * i][0], ms[2 * i + 1][0]
-                got, n1, n2 = p2p.p2p_allreduce_compensated(x, m1, m2, "tp", num_ranks, cfg)
+                got, n1, n2 = explicit.p2p_allreduce_compensated(x, m1, m2, "tp", num_ranks, cfg)
                 k = comp.Coefficients.from_config(cfg)
                 state = comp.CompensatorState(m1, m2)
                 xp = comp.apply_correction(x.astype(jnp.float32), state, k)
@@ -687,9 +688,9 @@ def test_dp_tp_mesh_concurrent_groups():
 
     def body(x):
         flat = x[0, 0]
-        t_got = p2p.p2p_allreduce(flat, "tp", 4, cfg)
+        t_got = explicit.p2p_allreduce(flat, "tp", 4, cfg)
         t_want = collective.xla_allreduce(flat, "tp", 4, cfg)
-        d_got = p2p.p2p_allreduce(flat * 2.0, "dp", 2, cfg8)
+        d_got = explicit.p2p_allreduce(flat * 2.0, "dp", 2, cfg8)
         d_want = collective.xla_allreduce(flat * 2.0, "dp", 2, cfg8)
         assert jax.typeof(t_got).mat == jax.typeof(t_want).mat
         assert jax.typeof(d_got).mat == jax.typeof(d_want).mat
@@ -710,7 +711,7 @@ def test_dp_tp_mesh_concurrent_groups():
     # check_vma=False shard_maps (no types) run the same protocol.
     def untyped(x):
         flat = x[0, 0]
-        return (p2p.p2p_allreduce(flat, "tp", 4, cfg)[None, None],
+        return (explicit.p2p_allreduce(flat, "tp", 4, cfg)[None, None],
                 collective.xla_allreduce(flat, "tp", 4, cfg)[None, None])
 
     g = jax.jit(jax.shard_map(untyped, mesh=mesh, in_specs=spec, out_specs=(spec,) * 2,
@@ -747,7 +748,7 @@ def test_repeated_calls_stay_correct():
 
     args = (put(xa, mesh, P("tp")), put(xb, mesh, P("tp")))
     t0 = time.perf_counter()
-    got = loop(lambda v, c: p2p.p2p_allreduce(v, "tp", num_ranks, c))(*args)
+    got = loop(lambda v, c: explicit.p2p_allreduce(v, "tp", num_ranks, c))(*args)
     want = loop(lambda v, c: collective.xla_allreduce(v, "tp", num_ranks, c))(*args)
     # Every call's result on every rank, not only the final carry: the carry contracts by 8 per
     # step, so an error at any call but the last few would vanish from it.
@@ -759,7 +760,7 @@ def test_repeated_calls_stay_correct():
     # and their epochs keep rising across executions.
     def single(cfg, both):
         def body(x):
-            y = p2p.p2p_allreduce(x[0], "tp", num_ranks, cfg) if both != "xla" else \
+            y = explicit.p2p_allreduce(x[0], "tp", num_ranks, cfg) if both != "xla" else \
                 collective.xla_allreduce(x[0], "tp", num_ranks, cfg)
             return as_varying(y, ("tp",))[None]
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
@@ -813,14 +814,14 @@ def test_choose_and_vmap_fallback():
 
     def f(v):
         seen["choice"] = transports.resolve(cfg_auto, "i", honor_env=False)
-        y = p2p.p2p_allreduce(v, "i", 4, cfg_auto)              # falls back to xla_allreduce
+        y = explicit.p2p_allreduce(v, "i", 4, cfg_auto)              # falls back to xla_allreduce
         return y, collective.xla_allreduce(v, "i", 4, cfg_auto)
 
     got, want = jax.jit(jax.vmap(f, axis_name="i"))(x)
     assert seen["choice"] == "xla"
     assert_same_bits(got, want, "vmap fallback")
     with pytest.raises(ValueError, match="vmap"):
-        jax.vmap(lambda v: p2p.p2p_allreduce(v, "i", 4, cfg_p2p), axis_name="i")(x)
+        jax.vmap(lambda v: explicit.p2p_allreduce(v, "i", 4, cfg_p2p), axis_name="i")(x)
 
     # Inside shard_map the custom call is chosen.
     mesh = mesh_of((2,), ("tp",))
@@ -842,17 +843,17 @@ def test_validation_messages():
                                      check_vma=False))(put(x, mesh, P("tp")))
 
     with pytest.raises(ValueError, match="flat float32, bfloat16 or float16 array, got int32"):
-        trace(lambda x: p2p.p2p_allreduce(x[0].astype(jnp.int32), "tp", 2, cfg)[None])
+        trace(lambda x: explicit.p2p_allreduce(x[0].astype(jnp.int32), "tp", 2, cfg)[None])
     with pytest.raises(ValueError, match=r"flat float32, bfloat16 or float16 array, got "
                                          r"bfloat16\[2, 4\]"):
-        trace(lambda x: p2p.p2p_allreduce(x[0].astype(jnp.bfloat16).reshape(2, 4), "tp", 2,
+        trace(lambda x: explicit.p2p_allreduce(x[0].astype(jnp.bfloat16).reshape(2, 4), "tp", 2,
                                           cfg)[None])
     with pytest.raises(ValueError, match="num_ranks=3 but axis 'tp' has size 2"):
-        trace(lambda x: p2p.p2p_allreduce(x[0], "tp", 3, cfg)[None])
+        trace(lambda x: explicit.p2p_allreduce(x[0], "tp", 3, cfg)[None])
     with pytest.raises(ValueError, match="m1_flat must be float32"):
-        trace(lambda x: p2p.p2p_allreduce_compensated(x[0], x[0, :4], x[0], "tp", 2, cfg)[0][None])
+        trace(lambda x: explicit.p2p_allreduce_compensated(x[0], x[0, :4], x[0], "tp", 2, cfg)[0][None])
     with pytest.raises(ValueError, match="config must be an EchoConfig"):
-        trace(lambda x: p2p.p2p_allreduce(x[0], "tp", 2, {"bits": 4})[None])
+        trace(lambda x: explicit.p2p_allreduce(x[0], "tp", 2, {"bits": 4})[None])
 
 
 def test_missing_peer_times_out_with_clear_error(monkeypatch):
@@ -864,7 +865,7 @@ def test_missing_peer_times_out_with_clear_error(monkeypatch):
 
     def make():
         return jax.jit(jax.shard_map(
-            lambda v: as_varying(p2p.p2p_allreduce(v[0], "tp", num_ranks, cfg), ("tp",))[None],
+            lambda v: as_varying(explicit.p2p_allreduce(v[0], "tp", num_ranks, cfg), ("tp",))[None],
             mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
 
     with cpu.debug_absent_rank(1):
@@ -893,7 +894,7 @@ def test_bad_timeout_env(monkeypatch):
     monkeypatch.setenv(TIMEOUT_ENV, "soon")
     mesh = mesh_of((2,), ("tp",))
     with pytest.raises(ValueError, match="ECHO_JAX_TIMEOUT_S"):
-        jax.jit(jax.shard_map(lambda v: p2p.p2p_allreduce(v[0], "tp", 2, ej.EchoConfig())[None],
+        jax.jit(jax.shard_map(lambda v: explicit.p2p_allreduce(v[0], "tp", 2, ej.EchoConfig())[None],
                               mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))(
             put(np.zeros((2, 4), np.float32), mesh, P("tp")))
 
@@ -908,7 +909,7 @@ def test_concurrent_executions_on_disjoint_devices():
     cfg = ej.EchoConfig(bits=4)
 
     def body(x):
-        return as_varying(p2p.p2p_allreduce(x[0], "tp", 4, cfg), ("tp",))[None]
+        return as_varying(explicit.p2p_allreduce(x[0], "tp", 4, cfg), ("tp",))[None]
 
     def ref(x):
         return as_varying(collective.xla_allreduce(x[0], "tp", 4, cfg), ("tp",))[None]

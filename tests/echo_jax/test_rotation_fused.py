@@ -22,7 +22,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import echo_jax as ej
-from echo_jax import collective, p2p, transports
+from echo_jax import collective, transports
+from echo_jax.transports import explicit
 from echo_jax.transports import cpu, xla
 from conftest import make_mesh, put
 
@@ -324,7 +325,7 @@ def test_handler_checks_the_rotate_attribute(monkeypatch):
 @needs_call
 @pytest.mark.parametrize("rescaled", [False, True])
 def test_explicit_p2p_functions_with_rotation(rescaled):
-    """`p2p.p2p_allreduce(_compensated)` with the rotation: the CPU call rotates itself (the
+    """`explicit.p2p_allreduce(_compensated)` with the rotation: the CPU call rotates itself (the
     compensated one fused), with or without a factor, with the bits of the vmap fallback (the
     xla transport's rotation, the factor on x before the rotation)."""
     nranks, g, n = 3, 32, 200
@@ -335,13 +336,13 @@ def test_explicit_p2p_functions_with_rotation(rescaled):
     m = jnp.asarray(rng.standard_normal((2, nranks, n)) * 1e-4, jnp.float32)
     factor = jnp.float32(2.0 ** 12) if rescaled else None
 
-    def explicit(v, m1, m2):
-        y = p2p.p2p_allreduce(v, "tp", nranks, cfg, factor=factor)
-        yc, n1, n2 = p2p.p2p_allreduce_compensated(v, m1, m2, "tp", nranks, cfg, factor=factor)
+    def entry_points(v, m1, m2):
+        y = explicit.p2p_allreduce(v, "tp", nranks, cfg, factor=factor)
+        yc, n1, n2 = explicit.p2p_allreduce_compensated(v, m1, m2, "tp", nranks, cfg, factor=factor)
         return y, yc, n1, n2
 
     def body(v, m1, m2):
-        return tuple(as_varying(o)[None] for o in explicit(v[0], m1[0], m2[0]))
+        return tuple(as_varying(o)[None] for o in entry_points(v[0], m1[0], m2[0]))
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3,
                               out_specs=(P("tp"),) * 4))
@@ -351,7 +352,7 @@ def test_explicit_p2p_functions_with_rotation(rescaled):
     assert all("rotate = 1 : i64" in c for c in calls)
     assert sum(cpu.TARGET_COMPENSATED in c for c in calls) == 1
     got = f(*args)
-    want = jax.jit(jax.vmap(explicit, axis_name="tp"))(x, m[0], m[1])  # the xla fallback
+    want = jax.jit(jax.vmap(entry_points, axis_name="tp"))(x, m[0], m[1])  # the xla fallback
     for name, a, b in zip(["y", "y_c", "m1", "m2"], got, want):
         assert_same_bits(a, b, name)
     ref = jax.jit(jax.vmap(lambda v: xla.allreduce(v, "tp", nranks, cfg, factor=factor),

@@ -240,12 +240,12 @@ def test_xla_equals_p2p_bit_for_bit_with_a_bf16_state(nranks, xdtype, rotation):
 
 
 def test_fused_entry_points_refuse_a_state_of_another_dtype():
-    from echo_jax import p2p
+    from echo_jax.transports import explicit
     x = jnp.ones((2, 256))
     s16, s32 = ej.init_state(x, BF16), ej.init_state(x)
 
     def f(cfg):
-        return jax.vmap(lambda v, a, b: p2p.p2p_allreduce_compensated(v, a, b, "tp", 2, cfg),
+        return jax.vmap(lambda v, a, b: explicit.p2p_allreduce_compensated(v, a, b, "tp", 2, cfg),
                         axis_name="tp")
     with pytest.raises(ValueError, match=r"m1_flat must be float32 \(EchoConfig.state_dtype\), "
                                          r"got bfloat16"):

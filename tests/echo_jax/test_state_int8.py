@@ -76,15 +76,19 @@ def test_zero_and_non_finite_groups():
 def test_init_and_check_state():
     x = jnp.ones((3, 100), jnp.bfloat16)
     st = ej.init_state(x, INT8)
-    assert st.quantized and st.m1.dtype == jnp.int8 and st.m1.shape == (3, 100)
-    assert st.s1.dtype == jnp.float32 and st.s1.shape == (3,)         # ceil(300 / 128)
-    assert not ej.init_state(x).quantized and ej.init_state(x).s1 is None
+    assert st.quantized and isinstance(st.m1, ej.QuantizedMoment)
+    assert st.m1.codes.dtype == jnp.int8 and st.m1.codes.shape == (3, 100)
+    assert st.m1.scales.dtype == jnp.float32 and st.m1.scales.shape == (3,)  # ceil(300 / 128)
+    m1, m2 = ej.init_state(x)  # the other state dtypes: two arrays, as before
+    assert not ej.init_state(x).quantized and m1.shape == (3, 100)
     comp.check_state(st, x, config=INT8)
-    with pytest.raises(ValueError, match=r"int8 state needs float32 scales state\.s1"):
-        comp.check_state(ej.CompensatorState(st.m1, st.m2), x, config=INT8)
-    with pytest.raises(ValueError, match=r"only an int8 state has scales"):
-        comp.check_state(ej.CompensatorState(st.m1.astype(jnp.float32),
-                                             st.m2.astype(jnp.float32), st.s1, st.s2), x)
+    with pytest.raises(ValueError, match=r"state\.m1 must be a QuantizedMoment"):
+        comp.check_state(ej.CompensatorState(st.m1.codes, st.m2.codes), x, config=INT8)
+    with pytest.raises(ValueError, match=r"state\.m1\.scales must be float32 of shape \(3,\)"):
+        comp.check_state(ej.CompensatorState(ej.QuantizedMoment(st.m1.codes, st.m1.scales[:2]),
+                                             st.m2), x, config=INT8)
+    with pytest.raises(ValueError, match=r"got a QuantizedMoment"):
+        comp.check_state(st, x)
 
 
 def test_one_call_matches_algorithm_1_with_the_int8_store():
@@ -92,19 +96,20 @@ def test_one_call_matches_algorithm_1_with_the_int8_store():
     x = jax.random.normal(jax.random.key(1), (nranks, n))
     m1 = 0.05 * jax.random.normal(jax.random.key(2), (nranks, n))
     m2 = 0.05 * jax.random.normal(jax.random.key(3), (nranks, n))
-    st = jax.vmap(lambda a, b: comp.CompensatorState(*comp.quantize_state(a),
-                                                     *comp.quantize_state(b))[::1])(m1, m2)
-    st = comp.CompensatorState(st[0], st[2], st[1], st[3])  # (q1, q2, s1, s2)
+    st = jax.vmap(lambda a, b: comp.CompensatorState(
+        comp.QuantizedMoment(*comp.quantize_state(a)),
+        comp.QuantizedMoment(*comp.quantize_state(b))))(m1, m2)
     f = jax.jit(jax.vmap(lambda v, s: ej.echo_psum(v, "tp", config=INT8, state=s,
                                                    rescale=False), axis_name="tp"))
     y, new = f(x, st)
     ea, eb, b1, c1, b2, c2 = coefficients(INT8)
     for r in range(nranks):
-        a1 = ref_read(np.asarray(st.m1[r]), np.asarray(st.s1[r]))
-        a2 = ref_read(np.asarray(st.m2[r]), np.asarray(st.s2[r]))
+        a1 = ref_read(np.asarray(st.m1.codes[r]), np.asarray(st.m1.scales[r]))
+        a2 = ref_read(np.asarray(st.m2.codes[r]), np.asarray(st.m2.scales[r]))
         xp = np.asarray(x[r], F32) + ((ea * a1).astype(F32) + (eb * a2).astype(F32))
         u = xp - (np.asarray(y[r], F32) * F32(1.0 / nranks)).astype(F32)
-        for q_got, s_got, m, b, c in ((new.m1, new.s1, a1, b1, c1), (new.m2, new.s2, a2, b2, c2)):
+        for got, m, b, c in ((new.m1, a1, b1, c1), (new.m2, a2, b2, c2)):
+            q_got, s_got = got
             rq, rs = ref_quantize((b * m).astype(F32) + (c * u).astype(F32))
             np.testing.assert_array_equal(np.asarray(q_got[r]), rq)
             np.testing.assert_array_equal(np.asarray(s_got[r]).view(np.uint32),
@@ -132,7 +137,8 @@ def test_a_scan_over_sites_keeps_the_int8_state():
         return h, s
 
     h, s = jax.jit(jax.vmap(sites, axis_name="tp"))(x)
-    assert s.m1.dtype == jnp.int8 and s.s1.shape == (2, 4) and bool(jnp.isfinite(h).all())
+    assert s.m1.codes.dtype == jnp.int8 and s.m1.scales.shape == (2, 4)
+    assert bool(jnp.isfinite(h).all())
 
 
 def test_the_layers_and_the_gspmd_helpers_refuse_it_with_the_fix():
