@@ -419,3 +419,128 @@ def test_pmap_and_float8():
     y8 = jax.vmap(lambda v: ej.echo_psum(v, "tp", config=XLA), axis_name="tp")(x8)
     assert y8.dtype == jnp.float8_e4m3fn
     assert np.abs(np.asarray(y8, np.float32)[0] - np.asarray(x8, np.float32).sum(0)).max() < 2.0
+
+
+# --- derivatives and tracing: psum's batching, no constants, NameError -----------------------
+
+def test_gradient_has_psum_batching_under_vmap():
+    """psum's transpose keeps an unbatched cotangent unbatched: the gradient of -psum(x) under
+    vmap is -P on every rank, unbatched, so out_axes=None takes it. echo_psum's derivative is
+    psum's (straight-through), batching included, on every path: plain, compensated, a value
+    not batched along the axis, and under jit."""
+    P_, x = 4, jax.random.normal(jax.random.key(10), (4, 300))
+    state = lambda v: ej.init_state(v)  # noqa: E731
+    reducers = {"psum": lambda v: lax.psum(v, "i"),
+                "echo": lambda v: ej.echo_psum(v, "i", config=XLA),
+                "echo+state": lambda v: ej.echo_psum(v, "i", config=XLA, state=state(v))[0]}
+    for name, reduce in reducers.items():
+        g = jax.vmap(jax.grad(lambda v: -reduce(v).sum()), out_axes=None, axis_name="i")(x)
+        np.testing.assert_array_equal(np.asarray(g), np.full(300, -P_, np.float32), name)
+        g = jax.jit(jax.vmap(jax.grad(lambda v: -reduce(v).sum()), in_axes=None, axis_size=4,
+                             out_axes=None, axis_name="i"))(x[0])
+        np.testing.assert_array_equal(np.asarray(g), np.full(300, -P_, np.float32), name)
+    # The scalar form of JAX's own test.
+    g = jax.vmap(jax.grad(lambda v: -ej.echo_psum(v, "i", config=XLA)), out_axes=None,
+                 axis_name="i")(jnp.ones(4))
+    assert g.shape == () and float(g) == -4.0
+
+
+@pytest.mark.parametrize("rule", ["custom_jvp", "custom_vjp"])
+def test_initial_style_vmap_with_collective(rule):
+    """A custom_jvp / custom_vjp function whose body calls the collective, traced to a jaxpr
+    and evaluated with no constants (as JAX's own test does: psum's jaxpr has none) and inside
+    lax.map, scan and while_loop, under vmap with axis_name: psum's results there, within
+    Eq. 1's bound (2.0 summed over 4 ranks is about 8)."""
+    def build(reduce):
+        if rule == "custom_jvp":
+            f = jax.custom_jvp(lambda x: reduce(x))
+            f.defjvp(lambda xs, ts: (reduce(xs[0]), ts[0]))
+        else:
+            f = jax.custom_vjp(lambda x: reduce(x))
+            f.defvjp(lambda x: (reduce(x), None), lambda res, dx: (dx,))
+        return f
+
+    def run(reduce):
+        f = build(reduce)
+
+        def g(x):
+            jaxpr = jax.make_jaxpr(f)(x)
+            return jax.core.eval_jaxpr(jaxpr.jaxpr, [], x)[0]
+
+        def loops(x):
+            xs = jnp.stack([x, 2 * x])
+            mapped = lax.map(f, xs)
+            scanned = lax.scan(lambda c, v: (c + f(v), None), jnp.zeros_like(x), xs)[0]
+            looped = lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] + f(x)),
+                                    (0, jnp.zeros_like(x)))[1]
+            return mapped, scanned, looped
+
+        one = jax.vmap(lambda _, x: g(x), axis_name="foo", in_axes=(0, None))(jnp.arange(4.),
+                                                                              2.)
+        vec = jax.vmap(lambda v: (g(v), loops(v)), axis_name="foo")(
+            jax.random.normal(jax.random.key(11), (4, 256)))
+        return one, vec
+
+    want, echo = run(lambda x: lax.psum(x, "foo")), run(
+        lambda x: ej.echo_psum(x, "foo", config=XLA))
+    assert_same_type(echo, want)
+    np.testing.assert_allclose(np.asarray(want[0]), 8.0)
+    within_bound(np.asarray(echo[0])[0], np.full((4,), 2.0, np.float32))
+    x = np.asarray(jax.random.normal(jax.random.key(11), (4, 256)))
+    within_bound(np.asarray(echo[1][0])[0], x)
+    mapped, scanned, looped = (np.asarray(a) for a in echo[1][1])
+    within_bound(mapped[0, 0], x)
+    within_bound(mapped[0, 1], 2 * x)
+    np.testing.assert_array_equal(scanned, mapped[:, 0] + mapped[:, 1])   # the same calls
+    np.testing.assert_array_equal(looped, mapped[:, 0] + mapped[:, 0])
+
+
+def test_jaxpr_has_no_constants_on_any_path():
+    """psum's jaxpr has no constvars, so code may evaluate one with no constants; so has
+    echo_psum's, on the pure-JAX and custom-call transports, with the rotation, a state, a
+    16-bit x, and its gradient."""
+    cases = {"xla": dict(config=XLA), "rotation": dict(config=XLA.replace(rotation="hadamard")),
+             "auto": dict(config=ej.EchoConfig()), "bf16": dict(config=XLA, dtype=jnp.bfloat16),
+             "state": dict(config=XLA, state=True),
+             "separate": dict(config=XLA.replace(state_update="separate"), state=True)}
+    mesh = make_mesh((4,), ("tp",))
+    for name, kw in cases.items():
+        cfg, dtype, with_state = kw["config"], kw.get("dtype", jnp.float32), kw.get("state")
+
+        def f(v, cfg=cfg, with_state=with_state):
+            s = ej.init_state(v) if with_state else None
+            return ej.echo_psum(v, "tp", config=cfg, state=s, return_state=True)[0]
+
+        def check(v, f=f, name=name):
+            for fn in (f, jax.grad(lambda u: f(u).astype(jnp.float32).sum())):
+                jaxpr = jax.make_jaxpr(fn)(v)
+                assert not jaxpr.jaxpr.constvars, (name, jaxpr.jaxpr.constvars)
+            return v
+
+        x = jnp.ones((4, 512), dtype)
+        jax.vmap(check, axis_name="tp")(x)
+        jax.jit(jax.shard_map(lambda v: check(v[0])[None], mesh=mesh, in_specs=P("tp"),
+                              out_specs=P("tp")))(put(x, mesh, P("tp")))
+
+
+def test_unbound_axis_raises_name_error_as_psum():
+    """psum raises NameError for an axis name that is not bound; so does echo_psum (an
+    UnboundAxisError, also a ValueError as before), naming the axis and the fix, under jit,
+    inside vmap over another name, and in shard_map over a mesh without that axis."""
+    x = jnp.ones(300)
+    with pytest.raises(NameError):
+        jax.jit(lambda v: lax.psum(v, "i"))(x)
+    for where, call in (
+            ("jit", lambda f: jax.jit(f)(x)),
+            ("vmap", lambda f: jax.vmap(f, axis_name="j")(jnp.ones((2, 300)))),
+            ("shard_map", lambda f: jax.jit(jax.shard_map(
+                lambda v: f(v[0])[None], mesh=make_mesh((2,), ("tp",)), in_specs=P("tp"),
+                out_specs=P("tp")))(jnp.ones((2, 300))))):
+        for cfg in (XLA, ej.EchoConfig()):
+            with pytest.raises(NameError, match=r"unbound axis name: i .*'i' is not bound.*"
+                                                r"axis_name='i'") as err:
+                call(lambda v, cfg=cfg: ej.echo_psum(v, "i", config=cfg))
+            assert isinstance(err.value, ValueError), where
+            assert isinstance(err.value, collective.UnboundAxisError)
+    with pytest.raises(NameError, match="'k' is not bound"):
+        jax.vmap(lambda v: ej.echo_psum(v, ("j", "k")), axis_name="j")(jnp.ones((2, 300)))
