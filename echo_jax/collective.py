@@ -90,9 +90,15 @@ from echo_jax.transports.xla import rotated_allreduce, xla_allreduce, xla_allred
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+class UnboundAxisError(NameError, ValueError):
+    """An axis name that is not bound where the call runs: a NameError, as `lax.psum` raises
+    for it, and a ValueError, as echo_jax raised before (so both kinds of handler catch it).
+    The message names the axis and the fix."""
+
+
 def axis_size(axis_name, where: str = "echo_psum") -> int:
-    """Size of a bound mesh/vmap axis (the product of the sizes for a tuple of axis names), or a
-    ValueError that names the axis."""
+    """Size of a bound mesh/vmap axis (the product of the sizes for a tuple of axis names), or an
+    `UnboundAxisError` (a NameError, as psum's, and a ValueError) that names the axis."""
     if isinstance(axis_name, (tuple, list)) and len(axis_name) != 1:
         size = 1
         for name in _axes(axis_name, where):
@@ -102,9 +108,10 @@ def axis_size(axis_name, where: str = "echo_psum") -> int:
     try:
         return lax.axis_size(name)
     except NameError:
-        raise ValueError(
-            f"{where}: axis name {name!r} is not bound here. Call it inside jax.shard_map over a "
-            f"mesh with an axis {name!r}, or inside jax.vmap(..., axis_name={name!r}).") from None
+        raise UnboundAxisError(
+            f"{where}: unbound axis name: {name} (the axis name {name!r} is not bound here). Call "
+            f"it inside jax.shard_map over a mesh with an axis {name!r}, or inside "
+            f"jax.vmap(..., axis_name={name!r}).") from None
 
 
 def _axes(axis_name, where="echo_psum") -> tuple:
@@ -175,13 +182,33 @@ def single_axis(axis_name, where: str = "echo_psum"):
     return axis_name
 
 
+def _sealed(fn, *args, **kwargs):
+    """fn(*args, **kwargs) traced as one `jax.jit` call whose operands are the arrays among the
+    arguments (everything else is static): the constants of the protocol (the quantizer's
+    reciprocal table, the rotation's signs) stay inside that call, so that a jaxpr of
+    echo_psum has no constvars, as psum's has none (`jax.make_jaxpr(f)(x).jaxpr` evaluates
+    with no constants). XLA inlines the call; the bits are the same."""
+    flat, tree = jax.tree.flatten((args, kwargs))
+    where = [i for i, a in enumerate(flat) if isinstance(a, (jax.Array, np.ndarray))]
+
+    def call(*operands):
+        leaves = list(flat)
+        for i, a in zip(where, operands):
+            leaves[i] = a
+        a, k = jax.tree.unflatten(tree, leaves)
+        return fn(*a, **k)
+
+    return jax.jit(call)(*[flat[i] for i in where])
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
 def _allreduce_f32(x_flat32, factor, axis, num_ranks, plan):
     # x: flat fp32, or bfloat16 / float16 for the custom call (fp32 arithmetic inside either
     # way); the sum comes back in x's dtype. factor: None, or the f32 power of two of the
     # rescaling (applied inside the custom call, around xla_allreduce on the xla transport).
     # plan: the call's `transports.CallPlan` (its config rotates only where the call does).
-    return plan.transport.allreduce(x_flat32, axis, num_ranks, plan.config, factor=factor)
+    return _sealed(plan.transport.allreduce, x_flat32, axis, num_ranks, plan.config,
+                   factor=factor)
 
 
 @_allreduce_f32.defjvp
@@ -360,8 +387,24 @@ def _batched_over(x, axis):
     others = tuple(a for a in names if a not in manual)
     if not others:
         return x
-    index = lax.axis_index(others[0] if len(others) == 1 else others)
+    return _broadcast_along(x, others[0] if len(others) == 1 else others)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _broadcast_along(x, axis):
+    index = lax.axis_index(axis)
     return jnp.where(index >= 0, x, x)
+
+
+@_broadcast_along.defjvp
+def _broadcast_along_jvp(axis, primals, tangents):
+    # The broadcast is the identity on values, and so is its derivative: the tangent passes as
+    # it is. Differentiated as the select it is written as, an unbatched cotangent would come
+    # back batched along the axis (the select's predicate is), so that the gradient of an
+    # echo_psum would be batched where psum's is not (psum's transpose keeps an unbatched
+    # cotangent unbatched: `vmap(grad(f), out_axes=None, axis_name=...)`).
+    (x,), (t,) = primals, tangents
+    return _broadcast_along(x, axis), t
 
 
 def _echo_leaf(x, state, axis, config: EchoConfig, rescale: bool):
@@ -494,7 +537,7 @@ def _rotated_allreduce_f32(x_flat32, factor, axis, num_ranks, plan):
         del plain  # plan.config: the caller's config with rotation="none"
         return _allreduce_f32(xr, factor, axis, num_ranks, plan)
 
-    return rotated_allreduce(reduce, x_flat32, axis, num_ranks, plan.config, factor)
+    return _sealed(rotated_allreduce, reduce, x_flat32, axis, num_ranks, plan.config, factor)
 
 
 @_rotated_allreduce_f32.defjvp
@@ -511,8 +554,8 @@ def _fused_allreduce_f32(x_flat32, m1, m2, factor, axis, num_ranks, plan):
     # x: flat fp32, bfloat16 or float16 (the sum comes back in its dtype); m1, m2: the state in
     # x's original shape and the state dtype (returned so); factor: None or the f32 power of two
     # of the rescaling. Only a plan with compensation "fused" gets here (`_echo_float`).
-    return plan.transport.allreduce_compensated(x_flat32, m1, m2, axis, num_ranks, plan.config,
-                                                factor=factor)
+    return _sealed(plan.transport.allreduce_compensated, x_flat32, m1, m2, axis, num_ranks,
+                   plan.config, factor=factor)
 
 
 @_fused_allreduce_f32.defjvp
@@ -529,8 +572,8 @@ def _fused_allreduce_f32_jvp(axis, num_ranks, plan, primals, tangents):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
 def _applied_allreduce_f32(x_flat32, m1, m2, factor, axis, num_ranks, plan):
     # As `_fused_allreduce_f32`, but the call only reads m1, m2 (the apply step) and returns y.
-    return plan.transport.allreduce_applied(x_flat32, m1, m2, axis, num_ranks, plan.config,
-                                            factor=factor)
+    return _sealed(plan.transport.allreduce_applied, x_flat32, m1, m2, axis, num_ranks,
+                   plan.config, factor=factor)
 
 
 @_applied_allreduce_f32.defjvp
@@ -612,8 +655,10 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
       `fori_loop` carry inside a type-checked `jax.shard_map`).
 
     Raises:
-      ValueError: an unbound or integer axis name, an unsupported dtype or sharding type, a
-        state that does not fit x, axis_index_groups, or transport "p2p" where it cannot run.
+      NameError: an axis name that is not bound here, as psum raises (an `UnboundAxisError`,
+        which is also a ValueError), naming the axis and the fix.
+      ValueError: an integer axis name, an unsupported dtype or sharding type, a state that
+        does not fit x, axis_index_groups, or transport "p2p" where it cannot run.
     """
     config = EchoConfig() if config is None else config
     if not isinstance(config, EchoConfig):
@@ -655,8 +700,8 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
             jax.tree.unflatten(treedef, [p[1] for p in pairs]))
 
 
-__all__ = ["echo_psum", "xla_allreduce", "segment_layout", "resolve_transport",
-           "power_of_two_scale", "rescale_factor",
+__all__ = ["echo_psum", "UnboundAxisError", "xla_allreduce", "segment_layout",
+           "resolve_transport", "power_of_two_scale", "rescale_factor",
            "rotation_headroom_log2", "auto_rescale_above",
            "check_rescale", "xla_allreduce_scaled", "RESCALE_MODES", "AUTO_RESCALE_BELOW",
            "RESCALE_TOP_LOG2", "FORCE_XLA_ENV"]

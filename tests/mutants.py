@@ -197,6 +197,84 @@ def _greedy_by_absolute_gain():
             "key = (math.inf if extra <= tol else gain, gain)"))
 
 
+def _int_sum_in_float32():
+    from echo_jax import collective
+    mutate(collective, "_echo_leaf",
+           ("return lax.psum(x, axis), None",
+            "return (lax.psum(x, axis) if jnp.result_type(x) == jnp.bool_ else "
+            "lax.psum(jnp.asarray(x, jnp.float32), axis).astype(jnp.result_type(x))), None"))
+
+
+def _weak_only_for_python_floats():
+    from echo_jax import collective
+    mutate(collective, "_echo_leaf",
+           ('weak = bool(getattr(jax.typeof(x), "weak_type", False))',
+            "weak = isinstance(x, float)"))
+
+
+def _auto_lower_edge_inclusive():
+    from echo_jax import collective
+    mutate(collective, "rescale_factor",
+           ("amax < jnp.float32(AUTO_RESCALE_BELOW)", "amax <= jnp.float32(AUTO_RESCALE_BELOW)"))
+
+
+def _auto_upper_edge_exclusive():
+    from echo_jax import collective
+    mutate(collective, "rescale_factor",
+           ("amax >= jnp.float32(2.0 ** top)", "amax > jnp.float32(2.0 ** top)"))
+
+
+def _rescale_top_ignores_ranks():
+    from echo_jax import collective
+    mutate(collective, "rescale_factor",
+           ("top = RESCALE_TOP_LOG2 - _ceil_log2(num_ranks) - int(headroom_log2)",
+            "top = RESCALE_TOP_LOG2 - int(headroom_log2)"))
+
+
+def _rescale_clamp_narrow():
+    from echo_jax import collective
+    mutate(collective, "rescale_factor",
+           ("k = jnp.clip(k, -126, 120)", "k = jnp.clip(k, -20, 20)"))
+
+
+def _no_axes_ignores_return_state():
+    from echo_jax import collective
+    mutate(collective, "echo_psum", ("return (x, state) if pair else x", "return x"))
+
+
+def _gate_drops_state():
+    from echo_jax import collective
+    mutate(collective, "_echo_float",
+           ("return lax.psum(x, axis), state", "return lax.psum(x, axis), None"))
+
+
+def _column_backward_unscaled():
+    from echo_jax import gspmd
+    bwd = mutate(gspmd, "_column_input_bwd",
+                 ("_reduce_switch(ct, axis, config, choice, None, rescale)",
+                  "_reduce_switch(ct, axis, config, choice, None, False)"))
+    gspmd._column_input.defvjp(gspmd._column_input_fwd, bwd)
+
+
+def _broadcast_tangent_batched():
+    from echo_jax import collective
+    mutate(collective, "_broadcast_along_jvp",
+           ("return _broadcast_along(x, axis), t",
+            "return _broadcast_along(x, axis), jnp.where(lax.axis_index(axis) >= 0, t, t)"))
+
+
+def _constants_not_sealed():
+    from echo_jax import collective
+    mutate(collective, "_sealed",
+           ("return jax.jit(call)(*[flat[i] for i in where])",
+            "return call(*[flat[i] for i in where])"))
+
+
+def _unbound_axis_value_error():
+    from echo_jax import collective
+    mutate(collective, "axis_size", ("raise UnboundAxisError(", "raise ValueError("))
+
+
 # A mutant of the C++ CPU handler: the handler's source (ffi/) with one change, compiled into a
 # shared library of its own (the handlers are extern "C" XLA FFI symbols) and registered in place
 # of echo_jax._ffi's handlers before any test runs. The build is cached by the hash of its inputs
@@ -289,6 +367,7 @@ _owner_sums_in_reverse_rank_order.unavailable = native_unavailable
 C = "tests/echo_jax/test_collective.py::"
 Q = "tests/echo_jax/test_quant.py::"
 G = "tests/echo_jax/test_mutation_gaps.py::"
+PC = "tests/echo_jax/test_psum_contract.py::"
 MUTANTS = {
     # (what it breaks, apply, killers: every one must fail)
     "doubled_scale": (
@@ -364,6 +443,57 @@ MUTANTS = {
         "the greedy site choice ranks upgrades by gain instead of gain per extra wire bit",
         _greedy_by_absolute_gain,
         [G + "test_greedy_ranks_upgrades_by_gain_per_extra_bit"]),
+    "int_sum_in_float32": (
+        "integer leaves are summed in float32 (inexact past 2^24) instead of by psum",
+        _int_sum_in_float32,
+        [PC + "test_integer_sums_are_exact_where_float32_is_not",
+         PC + "test_int64_sums_are_exact_with_x64"]),
+    "weak_only_for_python_floats": (
+        "only a Python float keeps its weak type; weak arrays come back strongly typed",
+        _weak_only_for_python_floats,
+        [PC + "test_weak_types_beyond_python_literals"]),
+    "auto_lower_edge_inclusive": (
+        "rescale='auto' scales up a max |x| of exactly 2^-6 (documented: below it only)",
+        _auto_lower_edge_inclusive,
+        [PC + "test_auto_rescale_thresholds_are_where_documented[xla]"]),
+    "auto_upper_edge_exclusive": (
+        "rescale='auto' leaves a max |x| of exactly auto_rescale_above(P) unscaled",
+        _auto_upper_edge_exclusive,
+        [PC + "test_auto_rescale_thresholds_are_where_documented[xla]"]),
+    "rescale_top_ignores_ranks": (
+        "the rescaling's bound leaves out the reduce stage's P copies (2^15, not 2^15 / P)",
+        _rescale_top_ignores_ranks,
+        [PC + "test_auto_rescale_constant_groups_at_the_thresholds_are_exact"]),
+    "rescale_clamp_narrow": (
+        "the rescaling's exponent is clamped to [-20, 20] instead of fp32's normal range",
+        _rescale_clamp_narrow,
+        [PC + "test_gspmd_site_backward_is_power_of_two_equivariant[column]"]),
+    "no_axes_ignores_return_state": (
+        "echo_psum over no axes returns x alone even with a state or return_state=True",
+        _no_axes_ignores_return_state,
+        [PC + "test_return_conventions_in_edge_cases"]),
+    "gate_drops_state": (
+        "below the size gate the compensator state comes back None instead of unchanged",
+        _gate_drops_state,
+        [PC + "test_return_conventions_in_edge_cases"]),
+    "column_backward_unscaled": (
+        "column_parallel_matmul's backward all-reduce runs without its power-of-two rescaling",
+        _column_backward_unscaled,
+        [PC + "test_gspmd_site_backward_is_power_of_two_equivariant[column]"]),
+    "broadcast_tangent_batched": (
+        "the broadcast of an unbatched value batches its tangent (gradients not psum's)",
+        _broadcast_tangent_batched,
+        [PC + "test_gradient_has_psum_batching_under_vmap"]),
+    "constants_not_sealed": (
+        "the protocol's constants are hoisted into echo_psum's jaxpr as constvars",
+        _constants_not_sealed,
+        [PC + "test_jaxpr_has_no_constants_on_any_path",
+         PC + "test_initial_style_vmap_with_collective[custom_jvp]",
+         PC + "test_initial_style_vmap_with_collective[custom_vjp]"]),
+    "unbound_axis_value_error": (
+        "an unbound axis name raises a plain ValueError where psum raises NameError",
+        _unbound_axis_value_error,
+        [PC + "test_unbound_axis_raises_name_error_as_psum"]),
     "owner_reverse_order": (
         "the CPU handler's owner sums its segment in rank order P-1..0 (C++ mutant, built)",
         _owner_sums_in_reverse_rank_order,

@@ -419,3 +419,435 @@ def test_pmap_and_float8():
     y8 = jax.vmap(lambda v: ej.echo_psum(v, "tp", config=XLA), axis_name="tp")(x8)
     assert y8.dtype == jnp.float8_e4m3fn
     assert np.abs(np.asarray(y8, np.float32)[0] - np.asarray(x8, np.float32).sum(0)).max() < 2.0
+
+
+# --- derivatives and tracing: psum's batching, no constants, NameError -----------------------
+
+def test_gradient_has_psum_batching_under_vmap():
+    """psum's transpose keeps an unbatched cotangent unbatched: the gradient of -psum(x) under
+    vmap is -P on every rank, unbatched, so out_axes=None takes it. echo_psum's derivative is
+    psum's (straight-through), batching included, on every path: plain, compensated, a value
+    not batched along the axis, and under jit."""
+    P_, x = 4, jax.random.normal(jax.random.key(10), (4, 300))
+    state = lambda v: ej.init_state(v)  # noqa: E731
+    reducers = {"psum": lambda v: lax.psum(v, "i"),
+                "echo": lambda v: ej.echo_psum(v, "i", config=XLA),
+                "echo+state": lambda v: ej.echo_psum(v, "i", config=XLA, state=state(v))[0]}
+    for name, reduce in reducers.items():
+        g = jax.vmap(jax.grad(lambda v: -reduce(v).sum()), out_axes=None, axis_name="i")(x)
+        np.testing.assert_array_equal(np.asarray(g), np.full(300, -P_, np.float32), name)
+        g = jax.jit(jax.vmap(jax.grad(lambda v: -reduce(v).sum()), in_axes=None, axis_size=4,
+                             out_axes=None, axis_name="i"))(x[0])
+        np.testing.assert_array_equal(np.asarray(g), np.full(300, -P_, np.float32), name)
+    # The scalar form of JAX's own test.
+    g = jax.vmap(jax.grad(lambda v: -ej.echo_psum(v, "i", config=XLA)), out_axes=None,
+                 axis_name="i")(jnp.ones(4))
+    assert g.shape == () and float(g) == -4.0
+
+
+@pytest.mark.parametrize("rule", ["custom_jvp", "custom_vjp"])
+def test_initial_style_vmap_with_collective(rule):
+    """A custom_jvp / custom_vjp function whose body calls the collective, traced to a jaxpr
+    and evaluated with no constants (as JAX's own test does: psum's jaxpr has none) and inside
+    lax.map, scan and while_loop, under vmap with axis_name: psum's results there, within
+    Eq. 1's bound (2.0 summed over 4 ranks is about 8)."""
+    def build(reduce):
+        if rule == "custom_jvp":
+            f = jax.custom_jvp(lambda x: reduce(x))
+            f.defjvp(lambda xs, ts: (reduce(xs[0]), ts[0]))
+        else:
+            f = jax.custom_vjp(lambda x: reduce(x))
+            f.defvjp(lambda x: (reduce(x), None), lambda res, dx: (dx,))
+        return f
+
+    def run(reduce):
+        f = build(reduce)
+
+        def g(x):
+            jaxpr = jax.make_jaxpr(f)(x)
+            return jax.core.eval_jaxpr(jaxpr.jaxpr, [], x)[0]
+
+        def loops(x):
+            xs = jnp.stack([x, 2 * x])
+            mapped = lax.map(f, xs)
+            scanned = lax.scan(lambda c, v: (c + f(v), None), jnp.zeros_like(x), xs)[0]
+            looped = lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] + f(x)),
+                                    (0, jnp.zeros_like(x)))[1]
+            return mapped, scanned, looped
+
+        one = jax.vmap(lambda _, x: g(x), axis_name="foo", in_axes=(0, None))(jnp.arange(4.),
+                                                                              2.)
+        vec = jax.vmap(lambda v: (g(v), loops(v)), axis_name="foo")(
+            jax.random.normal(jax.random.key(11), (4, 256)))
+        return one, vec
+
+    want, echo = run(lambda x: lax.psum(x, "foo")), run(
+        lambda x: ej.echo_psum(x, "foo", config=XLA))
+    assert_same_type(echo, want)
+    np.testing.assert_allclose(np.asarray(want[0]), 8.0)
+    within_bound(np.asarray(echo[0])[0], np.full((4,), 2.0, np.float32))
+    x = np.asarray(jax.random.normal(jax.random.key(11), (4, 256)))
+    within_bound(np.asarray(echo[1][0])[0], x)
+    mapped, scanned, looped = (np.asarray(a) for a in echo[1][1])
+    within_bound(mapped[0, 0], x)
+    within_bound(mapped[0, 1], 2 * x)
+    np.testing.assert_array_equal(scanned, mapped[:, 0] + mapped[:, 1])   # the same calls
+    np.testing.assert_array_equal(looped, mapped[:, 0] + mapped[:, 0])
+
+
+def test_jaxpr_has_no_constants_on_any_path():
+    """psum's jaxpr has no constvars, so code may evaluate one with no constants; so has
+    echo_psum's, on the pure-JAX and custom-call transports, with the rotation, a state, a
+    16-bit x, and its gradient."""
+    cases = {"xla": dict(config=XLA), "rotation": dict(config=XLA.replace(rotation="hadamard")),
+             "auto": dict(config=ej.EchoConfig()), "bf16": dict(config=XLA, dtype=jnp.bfloat16),
+             "state": dict(config=XLA, state=True),
+             "separate": dict(config=XLA.replace(state_update="separate"), state=True)}
+    mesh = make_mesh((4,), ("tp",))
+    for name, kw in cases.items():
+        cfg, dtype, with_state = kw["config"], kw.get("dtype", jnp.float32), kw.get("state")
+
+        def f(v, cfg=cfg, with_state=with_state):
+            s = ej.init_state(v) if with_state else None
+            return ej.echo_psum(v, "tp", config=cfg, state=s, return_state=True)[0]
+
+        def check(v, f=f, name=name):
+            for fn in (f, jax.grad(lambda u: f(u).astype(jnp.float32).sum())):
+                jaxpr = jax.make_jaxpr(fn)(v)
+                assert not jaxpr.jaxpr.constvars, (name, jaxpr.jaxpr.constvars)
+            return v
+
+        x = jnp.ones((4, 512), dtype)
+        jax.vmap(check, axis_name="tp")(x)
+        jax.jit(jax.shard_map(lambda v: check(v[0])[None], mesh=mesh, in_specs=P("tp"),
+                              out_specs=P("tp")))(put(x, mesh, P("tp")))
+
+
+def test_unbound_axis_raises_name_error_as_psum():
+    """psum raises NameError for an axis name that is not bound; so does echo_psum (an
+    UnboundAxisError, also a ValueError as before), naming the axis and the fix, under jit,
+    inside vmap over another name, and in shard_map over a mesh without that axis."""
+    x = jnp.ones(300)
+    with pytest.raises(NameError):
+        jax.jit(lambda v: lax.psum(v, "i"))(x)
+    for where, call in (
+            ("jit", lambda f: jax.jit(f)(x)),
+            ("vmap", lambda f: jax.vmap(f, axis_name="j")(jnp.ones((2, 300)))),
+            ("shard_map", lambda f: jax.jit(jax.shard_map(
+                lambda v: f(v[0])[None], mesh=make_mesh((2,), ("tp",)), in_specs=P("tp"),
+                out_specs=P("tp")))(jnp.ones((2, 300))))):
+        for cfg in (XLA, ej.EchoConfig()):
+            with pytest.raises(NameError, match=r"unbound axis name: i .*'i' is not bound.*"
+                                                r"axis_name='i'") as err:
+                call(lambda v, cfg=cfg: ej.echo_psum(v, "i", config=cfg))
+            assert isinstance(err.value, ValueError), where
+            assert isinstance(err.value, collective.UnboundAxisError)
+    with pytest.raises(NameError, match="'k' is not bound"):
+        jax.vmap(lambda v: ej.echo_psum(v, ("j", "k")), axis_name="j")(jnp.ones((2, 300)))
+
+
+# --- exact integer sums, weak types -----------------------------------------------------------
+
+def _enable_x64():
+    return jax.enable_x64(True) if hasattr(jax, "enable_x64") else (
+        jax.experimental.enable_x64())
+
+
+def test_integer_sums_are_exact_where_float32_is_not():
+    """psum of integers is exact (and wraps as two's complement, as XLA's integer add does):
+    int32 values near 2^30, which float32 cannot hold, sum to NumPy's int64 sum exactly, and a
+    sum past 2^31 wraps as psum's; under vmap and shard_map alike."""
+    base = np.array([2 ** 29 - 1, 2 ** 29 - 3, -(2 ** 30) + 7, 2 ** 29 + 5], np.int64)
+    x = (base[:, None] + np.arange(6)[None, :] * 17).astype(np.int32)   # [4 ranks, 6]
+    big = np.full((4, 3), 2 ** 30 + 1, np.int32)                           # sums past 2^31
+    want = x.astype(np.int64).sum(0)
+    assert (want.astype(np.float32).astype(np.int64) != want).any()        # fp32 cannot
+    mesh = make_mesh((4,), ("tp",))
+
+    def body(v, b):
+        return ej.echo_psum(v, "tp", config=XLA), ej.echo_psum(b, "tp"), lax.psum(b, "tp")
+
+    for got in (jax.jit(jax.vmap(body, axis_name="tp"))(x, big),
+                jax.jit(jax.shard_map(lambda v, b: jax.tree.map(lambda a: a[None],
+                                                                body(v[0], b[0])),
+                                      mesh=mesh, in_specs=(P("tp"), P("tp")),
+                                      out_specs=P("tp")))(put(x, mesh, P("tp")),
+                                                          put(big, mesh, P("tp")))):
+        y, wrapped, psum_wrapped = (np.asarray(a) for a in got)
+        assert y.dtype == np.int32
+        np.testing.assert_array_equal(y, np.broadcast_to(want, y.shape))
+        np.testing.assert_array_equal(wrapped, psum_wrapped)
+        np.testing.assert_array_equal(
+            wrapped[0], (big.astype(np.int64).sum(0) + 2 ** 31) % 2 ** 32 - 2 ** 31)
+
+
+def test_int64_sums_are_exact_with_x64():
+    """With jax_enable_x64, an int64 leaf near 2^60 (beyond float32 and float64 both) sums
+    exactly as psum's, typed int64; uint8 and int16 keep their dtypes as psum's."""
+    with _enable_x64():
+        x = (np.int64(2) ** 60 + np.arange(4 * 5, dtype=np.int64) * 12345 + 1).reshape(4, 5)
+        small = {"u8": np.arange(4 * 3, dtype=np.uint8).reshape(4, 3),
+                 "i16": (np.arange(4 * 3, dtype=np.int16).reshape(4, 3) * 1000)}
+        got = jax.jit(jax.vmap(lambda v, s: ej.echo_psum((v, s), "tp", config=XLA),
+                               axis_name="tp"))(x, small)
+        want = jax.jit(jax.vmap(lambda v, s: lax.psum((v, s), "tp"), axis_name="tp"))(x, small)
+        assert_same_type(got, want)
+        assert got[0].dtype == jnp.int64
+        exact = [int(c) for c in x.astype(object).sum(0)]   # Python integers: no rounding
+        assert [int(c) for c in np.asarray(got[0])[2]] == exact
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_weak_types_beyond_python_literals():
+    """psum keeps the weak type of any weakly typed input, not only a Python scalar's:
+    jnp.asarray(2.5), arithmetic of a weak value with a Python scalar, a weak value varying
+    over the axis (a Python float times axis_index, times a bool array), a broadcast weak
+    array, a weak int. echo_psum's results are typed like psum's (weak), and add to a bfloat16
+    value without promoting it. (Under vmap, psum of an unbatched weak array that is not a
+    scalar comes back strongly typed: its batching rule multiplies by a strongly typed axis
+    size. echo_psum keeps the weak type there, as psum does in shard_map.)"""
+    mesh = make_mesh((4,), ("tp",))
+    got, want = {}, {}
+
+    def values(v):
+        i = lax.axis_index("tp")
+        return {"asarray": jnp.asarray(2.5), "arith": jnp.asarray(1.5) * 3.0 + 1.0,
+                "varying": 2.5 * (i + 1), "broadcast": lax.broadcast(jnp.asarray(0.75), (300,)),
+                "int": jnp.asarray(3), "int_arith": jnp.asarray(3) * 2 + 1,
+                "bool_times": 2.5 * (v > 0)}
+
+    def body(v):
+        vals = values(v)
+        assert all(jax.typeof(a).weak_type for a in vals.values())
+        got.update(ej.echo_psum(vals, "tp", config=XLA))
+        want.update(lax.psum(vals, "tp"))
+        return (v + ej.echo_psum(vals["varying"], "tp", config=XLA))[None]
+
+    out = jax.jit(jax.shard_map(lambda v: body(v[0]), mesh=mesh, in_specs=P("tp"),
+                                out_specs=P("tp")))(put(jnp.ones((4, 3), jnp.bfloat16), mesh,
+                                                        P("tp")))
+    assert out.dtype == jnp.bfloat16
+    assert_same_type(got, want)
+    assert all(type_of(a)[2] for a in got.values()), {k: jax.typeof(a) for k, a in got.items()}
+    np.testing.assert_allclose(np.asarray(out, np.float32), 1.0 + 2.5 * 10, rtol=2 ** -6)
+    vm = jax.vmap(lambda v: (ej.echo_psum(values(v), "tp", config=XLA), lax.psum(values(v),
+                                                                               "tp")),
+                  axis_name="tp")(jnp.ones((4, 300)))
+    assert all(type_of(a)[2] for a in vm[0].values())
+    assert_same_type(*({k: a for k, a in t.items() if k != "broadcast"} for t in vm))
+    for k in ("int", "int_arith"):
+        np.testing.assert_array_equal(np.asarray(vm[0][k]), np.asarray(vm[1][k]))
+
+
+# --- rescale="auto" at its thresholds ---------------------------------------------------------
+
+def _auto_threshold_above(num_ranks):
+    """The documented upper threshold: 2^15 / P rounded down to a power of two."""
+    return 2.0 ** (15 - int(np.ceil(np.log2(num_ranks))))
+
+
+def _echo_sums(x, transport="xla", rescale="auto"):
+    """Every rank's echo_psum of x [P, n] (rank r contributes x[r]): vmap for "xla", the
+    CPU custom call in shard_map for "p2p"."""
+    cfg = ej.EchoConfig(transport=transport)
+    if transport == "xla":
+        return np.asarray(jax.jit(jax.vmap(
+            lambda v: ej.echo_psum(v, "tp", config=cfg, rescale=rescale), axis_name="tp"))(x))
+    mesh = make_mesh((x.shape[0],), ("tp",))
+    return np.asarray(shard_mapped(lambda v: ej.echo_psum(v[0], "tp", config=cfg,
+                                                          rescale=rescale)[None], mesh)(
+        put(x, mesh, P("tp"))))
+
+
+def _constant_groups(c, num_ranks, g=128):
+    """Every rank contributes the groups c, -c, c / 2 and 0 (each constant, g values)."""
+    row = np.concatenate([np.full(g, c), np.full(g, -c), np.full(g, c / 2), np.zeros(g)])
+    return np.broadcast_to(row.astype(np.float32), (num_ranks, 4 * g)).copy()
+
+
+def _check_constant_groups_exact(values, num_ranks, transport):
+    for c in values:
+        x = _constant_groups(np.float32(c), num_ranks)
+        assert x[0, 0] == np.float32(c)
+        y = _echo_sums(x, transport)
+        want = x.astype(np.float64).sum(0)            # exact: P * c, an fp16 value times 2^k
+        assert np.isfinite(y).all(), (c, num_ranks, transport)
+        np.testing.assert_array_equal(y, np.broadcast_to(want, y.shape).astype(np.float32),
+                                      f"c={c!r} P={num_ranks} {transport}")
+
+
+def _edge_values(num_ranks):
+    low, top = 2.0 ** -6, _auto_threshold_above(num_ranks)
+    step = 1 - 2.0 ** -11                           # one fp16 step below (11 significant bits)
+    return [low, low * step, top, top * step, 2 * top * step, 3 * top, 65504.0,
+            1.5 * 2.0 ** 100]
+
+
+def test_auto_rescale_constant_groups_at_the_thresholds_are_exact():
+    """A constant group dequantizes to its fp16 value exactly (docs/design.md), and the sum of
+    P equal fp16 values times a power of two is exact: constant contributions exactly at
+    AUTO_RESCALE_BELOW = 2^-6, exactly at auto_rescale_above(P) = 2^15 / P (P = 4: 8192),
+    one fp16 step below each, three times the upper one, fp16's largest value and 1.5 * 2^100
+    come back as P * c exactly and finite (rescale="auto"), on both transports."""
+    assert collective.AUTO_RESCALE_BELOW == 2.0 ** -6
+    assert collective.auto_rescale_above(4) == _auto_threshold_above(4) == 8192.0
+    _check_constant_groups_exact(_edge_values(4), 4, "xla")
+    _check_constant_groups_exact([2.0 ** -6, 8192.0, 3 * 8192.0], 4, "p2p")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_ranks", [2, 3, 8])
+@pytest.mark.parametrize("transport", ["xla", "p2p"])
+def test_auto_rescale_constant_groups_grid(num_ranks, transport):
+    """As above for P = 2, 3, 8, and constants m * 2^e (m = 1, 1.5, 1.75) across fp32's range
+    up to where P * c still fits: those whose sum P * c has at most fp16's 11 significant bits
+    (at P = 3 the edges one fp16 step below have 13: their sum is rounded to fp16 once)."""
+    values = _edge_values(num_ranks) + [m * 2.0 ** e for m in (1, 1.5, 1.75)
+                                        for e in range(-60, 126, 17)]
+    values = [c for c in values if num_ranks * c < 3.0e38
+              and float(np.frexp(num_ranks * c)[0] * 2 ** 11).is_integer()]
+    _check_constant_groups_exact(values, num_ranks, transport)
+
+
+def _with_a_tiny_group(edge, num_ranks, seed):
+    """Contributions whose largest |x| over the group is exactly `edge` (on rank 0), with one
+    group 2^-30 times smaller, whose fp16 scale is subnormal unless the call is scaled up."""
+    x = np.asarray(jax.random.uniform(jax.random.key(seed), (num_ranks, 512), minval=-1,
+                                      maxval=1), np.float32) * np.float32(edge / 2)
+    x[:, 384:] *= np.float32(2.0 ** -30)
+    x[0, 5] = np.float32(edge)
+    assert np.abs(x).max() == np.float32(edge)
+    return x
+
+
+@pytest.mark.parametrize("transport", ["xla", pytest.param("p2p", marks=pytest.mark.slow)])
+def test_auto_rescale_thresholds_are_where_documented(transport):
+    """rescale="auto" gives rescale=False's bits for a group-wide max |x| from 2^-6 up to just
+    below auto_rescale_above(P); below 2^-6 it scales as rescale=True does (max into
+    [256, 512)); from auto_rescale_above(P) = T up it scales the max into [T / 2, T): at exactly
+    T by 1/2, which gives the bits of rescale=False on x / 2, times 2 (powers of two are exact).
+    A group 2^-30 times smaller than the max makes each factor visible in the bits."""
+    num_ranks, low = 4, np.float32(2.0 ** -6)
+    top = np.float32(_auto_threshold_above(num_ranks))
+    below = lambda v: np.nextafter(v, np.float32(0))  # noqa: E731
+
+    def run(x, rescale):
+        return _echo_sums(x, transport, rescale)
+
+    x = _with_a_tiny_group(low, num_ranks, 12)
+    assert not np.array_equal(bits(run(x, False)), bits(run(x, True)))   # the data tells
+    np.testing.assert_array_equal(bits(run(x, "auto")), bits(run(x, False)))
+    x = _with_a_tiny_group(below(low), num_ranks, 13)
+    np.testing.assert_array_equal(bits(run(x, "auto")), bits(run(x, True)))
+    x = _with_a_tiny_group(top, num_ranks, 14)
+    half = run(x * np.float32(0.5), False) * np.float32(2)
+    assert not np.array_equal(bits(half), bits(run(x, False)))
+    np.testing.assert_array_equal(bits(run(x, "auto")), bits(half))
+    x = _with_a_tiny_group(below(top), num_ranks, 15)
+    np.testing.assert_array_equal(bits(run(x, "auto")), bits(run(x, False)))
+
+
+# --- return conventions -----------------------------------------------------------------------
+
+def test_return_conventions_in_edge_cases():
+    """psum's shape (y) without a state; (y, new_state) with one or with return_state=True;
+    the same with no axes (psum over () is the identity: x and the state as they are), at
+    axis size 1, below the size gate (the state passes through unchanged), and for pytrees
+    with None in them (kept where psum keeps them; None in the state there too)."""
+    x = jax.random.normal(jax.random.key(16), (4, 300))
+    x0 = x[0]
+    s = ej.init_state(x0)
+    # No axes: the identity, in every convention.
+    assert ej.echo_psum(x, ()) is x and ej.echo_psum(x, [], config=XLA) is x
+    y, new = ej.echo_psum(x0, (), state=s)
+    assert y is x0 and new is s
+    y, new = ej.echo_psum(x, (), return_state=True)
+    assert y is x and new is None
+    y, new = ej.echo_psum(x0, (), state=s, return_state=True)
+    assert y is x0 and new is s
+    assert ej.echo_psum(x, (), return_state=False) is x
+    for axes in ((), "tp"):
+        with pytest.raises(ValueError, match="return_state=False with a state"):
+            jax.vmap(lambda v, a=axes: ej.echo_psum(v, a, state=ej.init_state(v),
+                                                    return_state=False), axis_name="tp")(x)
+    # Pytrees with None, with and without a state.
+    tree = lambda v: {"a": v, "b": None, "c": (None, 2 * v)}  # noqa: E731
+
+    def site(v):
+        plain = ej.echo_psum(tree(v), "tp", config=XLA)
+        pair = ej.echo_psum(tree(v), "tp", config=XLA, return_state=True)
+        compd = ej.echo_psum(tree(v), "tp", config=XLA, state=ej.init_state(tree(v)))
+        return plain, pair, compd, lax.psum(tree(v), "tp")
+
+    plain, pair, compd, want = jax.vmap(site, axis_name="tp")(x)
+    structure = jax.tree.structure(want)
+    assert jax.tree.structure(plain) == structure and pair[1] is None
+    assert jax.tree.structure(pair[0]) == jax.tree.structure(compd[0]) == structure
+    assert compd[1]["b"] is None and compd[1]["c"][0] is None
+    assert isinstance(compd[1]["a"], ej.CompensatorState)
+    within_bound(np.asarray(plain["a"])[0], x)
+    np.testing.assert_array_equal(bits(compd[0]["a"]), bits(plain["a"]))   # zero state
+    # Axis size 1: x itself; the state unchanged.
+    y1, (y2, s2) = jax.vmap(lambda v: (ej.echo_psum(v, "tp", config=XLA),
+                                       ej.echo_psum(v, "tp", config=XLA, state=_ones_state(v))),
+                            axis_name="tp")(x[:1])
+    np.testing.assert_array_equal(bits(y1), bits(x[:1]))
+    np.testing.assert_array_equal(bits(y2), bits(x[:1]))
+    np.testing.assert_array_equal(np.asarray(s2.m1), 1.0)
+    # Below the size gate: psum's exact sum, the state passed through unchanged.
+    gated = XLA.replace(min_bytes=1 << 20)
+    y, s3 = jax.vmap(lambda v: ej.echo_psum(v, "tp", config=gated, state=_ones_state(v)),
+                     axis_name="tp")(x)
+    want = jax.vmap(lambda v: lax.psum(v, "tp"), axis_name="tp")(x)
+    np.testing.assert_array_equal(bits(y), bits(want))
+    assert isinstance(s3, ej.CompensatorState)
+    np.testing.assert_array_equal(np.asarray(s3.m1), 1.0)
+    np.testing.assert_array_equal(np.asarray(s3.m2), 1.0)
+
+
+def _ones_state(v):
+    return ej.CompensatorState(jnp.ones_like(v), jnp.ones_like(v))
+
+
+# --- the gspmd sites' backward: power-of-two equivariance -------------------------------------
+
+def _site_vjp(kind, mesh, cfg):
+    from echo_jax import gspmd
+    helper = {"row": gspmd.row_parallel_matmul, "column": gspmd.column_parallel_matmul}[kind]
+
+    def pullback(x, w, ct):
+        return jax.vjp(lambda a, b: helper(a, b, mesh=mesh, config=cfg), x, w)[1](ct)
+    return jax.jit(pullback)
+
+
+def _check_equivariance(kind, cfg, ks, seed=17):
+    mesh = make_mesh((4,), ("tp",))
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (16, 64))
+    w = jax.random.normal(keys[1], (64, 128)) / 8
+    ct = jax.random.normal(keys[2], (16, 128))
+    f = _site_vjp(kind, mesh, cfg)
+    base = [np.asarray(g) for g in f(x, w, ct)]
+    for k in ks:
+        scale = np.float32(2.0 ** k)
+        got = [np.asarray(g) for g in f(x, w, ct * scale)]
+        for name, g, b in zip(("x", "w"), got, base):
+            assert np.isfinite(g).all() and np.abs(g).max() > 0, (kind, k, name)
+            np.testing.assert_array_equal(bits(g), bits(b * scale), f"{kind} k={k} d{name}")
+
+
+@pytest.mark.parametrize("kind", ["row", "column"])
+def test_gspmd_site_backward_is_power_of_two_equivariant(kind):
+    """The sites' backward rescales by powers of two (column: Echo's all-reduce of the
+    cotangent with rescale=True; row: the identity), and a power of two multiplies exactly: a
+    cotangent times 2^k gives input and weight gradients times 2^k, bit for bit, far outside
+    fp16's range of group scales too (2^-40, 2^37)."""
+    _check_equivariance(kind, ej.EchoConfig(), (-40, 37))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits_", [4, 8])
+@pytest.mark.parametrize("kind", ["row", "column"])
+def test_gspmd_site_backward_equivariance_grid(kind, bits_):
+    _check_equivariance(kind, ej.EchoConfig(bits=bits_), range(-100, 101, 20), seed=18)
