@@ -1,9 +1,9 @@
 """What the install claims and does.
 
 * The packages `echo_jax` and `echo_jax_tools`, no generic top-level name: a user's project
-  with its own package named `models` (a common name) imports it, and echo_jax, whatever is installed: the editable
-  install of this environment (fast test) and a wheel built from this checkout, installed into a
-  folder of its own (slow: it compiles the CPU handler); the editable install puts no folder of
+  with its own package named `models` (a common name) imports it, and echo_jax, whatever is
+  installed: the editable install of this environment (fast test) and a wheel built from this
+  checkout, installed into a folder of its own (slow: it compiles the CPU handler); the editable install puts no folder of
   the checkout on sys.path (build_backend/echo_jax_build.py).
 * The CUDA decisions of CMakeLists.txt, from configure-only runs: the architectures of the GPUs
   nvidia-smi lists (a fake one on the PATH), none without a GPU, the overrides; a system nvcc
