@@ -18,9 +18,9 @@
 //     and takes 8 loads. Why: four 16-byte loads put 64 bytes a lane in flight before the first
 //     use, and fewer lanes a group means fewer shuffle rounds (log2(kLanes)) and fewer redundant
 //     per-group parameter computations a value (every lane of a group computes the group's
-//     parameters itself: ~50 instructions a lane spread over 16 or 32 values). Measured on one
-//     H200 (ffi/tools/quant_stages.cu, 256 MiB): two loads a lane 84 us fp32 / 60 us bf16, four
-//     78.5 / 54, eight 96 / 78 (59 registers: fewer warps resident). The raw 16-byte words stay
+//     parameters itself: ~50 instructions a lane spread over 16 or 32 values). Two loads a lane
+//     were slower, and so were eight (59 registers: fewer warps resident; docs/gpu.md, timed
+//     with ffi/tools/quant_stages.cu). The raw 16-byte words stay
 //     in registers between the statistics and the encoding (one read of x; the register arrays
 //     are indexed only by unrolled constants, so nothing goes to local memory).
 //   * Grid: one tile of kGroupsPerWarp groups a warp, no grid stride (launch_quantize_fast).
@@ -133,17 +133,9 @@ __global__ void __launch_bounds__(kQuantThreads)
         float v[kVec];
         fast::unpack_values<T, kVec>(raw[k], v);
 #pragma unroll
-        for (int t = 0; t < kVec; ++t) {
-          const int32_t key = fast::order_key(__float_as_uint(v[t]));
-          kmin = fast::imin(kmin, key);
-          kmax = fast::imax(kmax, key);
-        }
+        for (int t = 0; t < kVec; ++t) fast::key_range_add(kmin, kmax, v[t]);
       }
-#pragma unroll
-      for (int off = kLanes / 2; off > 0; off >>= 1) {  // within the group's aligned lanes
-        kmin = fast::imin(kmin, __shfl_xor_sync(0xffffffffu, kmin, off));
-        kmax = fast::imax(kmax, __shfl_xor_sync(0xffffffffu, kmax, off));
-      }
+      fast::key_range_reduce<kLanes>(kmin, kmax);  // within the group's aligned lanes
       p = fast::make_params_fast<BITS, POLICY>(__uint_as_float(fast::from_order_key(kmin)),
                                                __uint_as_float(fast::from_order_key(kmax)),
                                                fast::keys_finite(kmin, kmax));
@@ -347,8 +339,7 @@ ffi::Error check(int64_t bits, int64_t g, int64_t policy) {
 }
 
 // One tile a warp (no grid stride): with four loads a lane and no prefetch, the hardware's block
-// scheduler keeps the SMs full better than one wave of grid-striding warps (H200, 256 MiB: fp32
-// 4-bit 78.5 against 83.2 us, bf16 54.0 against 55.8; ffi/tools/quant_stages.cu).
+// scheduler keeps the SMs full better than one wave of grid-striding warps (docs/gpu.md).
 template <typename T, int G, int BITS, int POLICY>
 void launch_quantize_fast(cudaStream_t s, const T* x, int64_t groups, uint8_t* packed,
                           uint16_t* params) {
