@@ -150,7 +150,8 @@ std::string OrdinalList(const std::vector<int32_t>& ordinals) {
 class Registry {
  public:
   // The workspace of this rank's group at this call site in this execution (see "Which ranks
-  // meet" above). Blocks until all P ranks have arrived or the deadline passes.
+  // meet" in echo_allreduce_cpu.cc). Blocks until all P ranks have arrived or the deadline
+  // passes.
   ffi::ErrorOr<std::shared_ptr<Workspace>> Join(const CallConfig& cfg, const Coords& c) {
     std::unique_lock<std::mutex> lock(mu_);
     const auto bkey = std::make_pair(c.ordinal, cfg.site);

@@ -20,11 +20,15 @@
 
 namespace echo {
 
-// X(type, name, meaning): the format and the group of every all-reduce call.
+// X(type, name, meaning): the wire format, which the standalone quantizer's calls take alone
+// (ffi/quant_cuda.cu, BindFormatAttrs below) ...
+#define ECHO_FORMAT_ATTRS(X)                                    \
+  X(int64_t, bits, "4 or 8")                                    \
+  X(int64_t, group_size, "g, values of one quantization group") \
+  X(int64_t, policy, "0 asym, 1 sym, 2 asym_naive")
+// ... and the format and the group of every all-reduce call.
 #define ECHO_ALLREDUCE_ATTRS(X)                                           \
-  X(int64_t, bits, "4 or 8")                                              \
-  X(int64_t, group_size, "g, values of one quantization group")           \
-  X(int64_t, policy, "0 asym, 1 sym, 2 asym_naive")                       \
+  ECHO_FORMAT_ATTRS(X)                                                    \
   X(int64_t, num_ranks, "P, the ranks of the group")                      \
   X(int64_t, timeout_ms, "the bound on every wait for a peer")            \
   X(int64_t, rotate, "1: the Hadamard rotation inside the call, 0: none")
@@ -122,6 +126,15 @@ auto BindAllReduce(Binding&& context) {
         std::move(context).template Arg<Buffer_Type>().template Arg<Buffer_Type>()
             .template Arg<Buffer_Type>());
   }
+}
+
+// The format attributes as typed attributes of a binding (the quantizer's handlers take them as
+// int64_t arguments bits, group_size, policy, in this order).
+template <typename Binding>
+auto BindFormatAttrs(Binding&& b) {
+#define ECHO_ATTR_BIND(type, name, meaning) .template Attr<type>(#name)
+  return std::move(b) ECHO_FORMAT_ATTRS(ECHO_ATTR_BIND);
+#undef ECHO_ATTR_BIND
 }
 
 }  // namespace echo

@@ -60,6 +60,7 @@
 #include <string>
 #include <type_traits>
 
+#include "echo_attrs.h"
 #include "echo_common.h"
 #include "echo_cuda.cuh"
 #include "fast_io.cuh"
@@ -446,6 +447,15 @@ void launch_dequantize(cudaStream_t s, const uint8_t* packed, const uint16_t* pa
                                                         true);
 }
 
+// The error of the call's kernel launch, if any.
+ffi::Error launch_status(const char* call) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string("echo_jax ") + call + " (CUDA): " +
+                                cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace echo
@@ -476,22 +486,18 @@ static ffi::Error EchoQuantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
     default:
       return ffi::Error::InvalidArgument("echo_jax quantize (CUDA): x must be f32, bf16 or f16");
   }
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return ffi::Error::Internal(std::string("echo_jax quantize (CUDA): ") + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return echo::cuda::launch_status("quantize");
 }
 
+// Attributes of both calls: the format (bits, group_size, policy; ffi/echo_attrs.h).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     echo_quantize_cuda, EchoQuantizeCudaImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-        .Arg<ffi::AnyBuffer>()                     // x: [G * g] values (f32/bf16/f16)
-        .Ret<ffi::Buffer<ffi::U8>>()               // packed codes [G, g*bits/8]
-        .Ret<ffi::Buffer<ffi::U16>>()              // fp16 parameters as bits [G, 1 or 2]
-        .Attr<int64_t>("bits")                     // 4 or 8
-        .Attr<int64_t>("group_size")               // g
-        .Attr<int64_t>("policy"));                 // 0 asym, 1 sym, 2 asym_naive
+    echo::BindFormatAttrs(ffi::Ffi::Bind()
+                              .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+                              .Arg<ffi::AnyBuffer>()         // x: [G * g] values (f32/bf16/f16)
+                              .Ret<ffi::Buffer<ffi::U8>>()   // packed codes [G, g*bits/8]
+                              .Ret<ffi::Buffer<ffi::U16>>()  // fp16 parameters as bits [G, 1|2]
+                          ));
 
 static ffi::Error EchoDequantizeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed,
                                      ffi::Buffer<ffi::U16> params,
@@ -503,19 +509,14 @@ static ffi::Error EchoDequantizeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U
   const int g = static_cast<int>(group_size), b = static_cast<int>(bits), p = static_cast<int>(policy);
   echo::cuda::launch_dequantize(stream, packed.typed_data(), params.typed_data(), groups, g, b, p,
                                 y->typed_data());
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return ffi::Error::Internal(std::string("echo_jax dequantize (CUDA): ") + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return echo::cuda::launch_status("dequantize");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     echo_dequantize_cuda, EchoDequantizeCudaImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-        .Arg<ffi::Buffer<ffi::U8>>()               // packed codes [G, g*bits/8]
-        .Arg<ffi::Buffer<ffi::U16>>()              // fp16 parameters as bits [G, 1 or 2]
-        .Ret<ffi::Buffer<ffi::F32>>()              // y: [G * g] fp32
-        .Attr<int64_t>("bits")
-        .Attr<int64_t>("group_size")
-        .Attr<int64_t>("policy"));
+    echo::BindFormatAttrs(ffi::Ffi::Bind()
+                              .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+                              .Arg<ffi::Buffer<ffi::U8>>()   // packed codes [G, g*bits/8]
+                              .Arg<ffi::Buffer<ffi::U16>>()  // fp16 parameters as bits [G, 1|2]
+                              .Ret<ffi::Buffer<ffi::F32>>()  // y: [G * g] fp32
+                          ));
