@@ -19,6 +19,7 @@
 
 #include "echo_common.h"
 #include "quant_fast.cuh"
+#include "quant_fast.cuh"
 
 namespace echo {
 namespace fast {
@@ -83,15 +84,36 @@ __device__ __forceinline__ uint4 pack_values(const float* v) {
   return make_uint4(u[0], u[1], u[2], u[3]);
 }
 
-// Reduces a group's range over its LANES aligned lanes of the warp (every lane of the warp takes
-// part: the shuffles are warp-wide).
-template <int LANES>
-__device__ __forceinline__ void range_reduce(Range& r) {
+// The warp reduction of the fast kernels (p2p and quantizer): lo, hi of a group over its LANES
+// aligned lanes of the warp, a butterfly of shuffles (LANES a power of two <= 32; every lane of
+// the warp takes part: the shuffles are warp-wide). min_op / max_op: exact in any order.
+template <int LANES, typename V, typename Min, typename Max>
+__device__ __forceinline__ void warp_min_max(V& lo, V& hi, Min min_op, Max max_op) {
 #pragma unroll
   for (int off = LANES / 2; off > 0; off >>= 1) {
-    r.lo = min_nan(r.lo, __shfl_xor_sync(0xffffffffu, r.lo, off));
-    r.hi = max_nan(r.hi, __shfl_xor_sync(0xffffffffu, r.hi, off));
+    lo = min_op(lo, __shfl_xor_sync(0xffffffffu, lo, off));
+    hi = max_op(hi, __shfl_xor_sync(0xffffffffu, hi, off));
   }
+}
+
+// Reduces a group's range (min.NaN / max.NaN) over its LANES aligned lanes.
+template <int LANES>
+__device__ __forceinline__ void range_reduce(Range& r) {
+  warp_min_max<LANES>(r.lo, r.hi, [](float a, float b) { return min_nan(a, b); },
+                      [](float a, float b) { return max_nan(a, b); });
+}
+
+// The same with order keys (quant_fast.cuh): a lane folds its values into its smallest and
+// largest key (start from kKeyMax, kKeyMin), then key_range_reduce combines the group's lanes.
+__device__ __forceinline__ void key_range_add(int32_t& kmin, int32_t& kmax, float v) {
+  const int32_t key = order_key(__float_as_uint(v));
+  kmin = imin(kmin, key);
+  kmax = imax(kmax, key);
+}
+template <int LANES>
+__device__ __forceinline__ void key_range_reduce(int32_t& kmin, int32_t& kmax) {
+  warp_min_max<LANES>(kmin, kmax, [](int32_t a, int32_t b) { return imin(a, b); },
+                      [](int32_t a, int32_t b) { return imax(a, b); });
 }
 
 // The range of a lane's 16-bit values, two a instruction: min.NaN / max.NaN on bf16x2 / f16x2

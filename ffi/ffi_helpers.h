@@ -4,9 +4,10 @@
 #define ECHO_JAX_FFI_FFI_HELPERS_H_
 
 #include <cstdint>
-#include <sstream>
+#include <cstdio>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -26,12 +27,37 @@ using F32Buffer_Type = ffi::Buffer<ffi::F32, 1>;
 using F32Result_Type = ffi::ResultBuffer<ffi::F32, 1>;
 using S32Buffer_Type = ffi::Buffer<ffi::S32, 1>;
 
-// Concatenates anything that has an ostream operator<<.
+// Appends one piece of a message as an ostream would print it (numbers with the default
+// format: integers in decimal, floating-point numbers as %g), without a stream: an ostream
+// insertion inside a handler of the CUDA module crashed (the libstdc++ locale state of the
+// loaded module), and the CUDA handlers share these errors.
+template <typename T>
+void StrAppend(std::string& out, const T& v) {
+  using U = std::decay_t<T>;
+  if constexpr (std::is_convertible_v<const T&, std::string_view>) {
+    out += std::string_view(v);
+  } else if constexpr (std::is_same_v<U, char>) {
+    out += v;
+  } else if constexpr (std::is_same_v<U, bool>) {
+    out += v ? '1' : '0';
+  } else if constexpr (std::is_integral_v<U>) {
+    out += std::to_string(v);
+  } else if constexpr (std::is_floating_point_v<U>) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));
+    out += buf;
+  } else {
+    static_assert(std::is_enum_v<U>, "StrCat takes strings, characters, numbers and enums");
+    out += std::to_string(static_cast<std::underlying_type_t<U>>(v));
+  }
+}
+
+// Concatenates strings and numbers (StrAppend).
 template <typename... Args>
-std::string StrCat(Args&&... args) {
-  std::ostringstream os;
-  (os << ... << std::forward<Args>(args));
-  return os.str();
+std::string StrCat(const Args&... args) {
+  std::string out;
+  (StrAppend(out, args), ...);
+  return out;
 }
 
 // Errors are prefixed with the handler name so that the Python exception says where it came from.
@@ -109,21 +135,34 @@ template <>
 struct AttrTypeName<std::string_view> {
   static constexpr const char* value = "a string (a Python str)";
 };
+template <>
+struct AttrTypeName<ffi::Span<const int64_t>> {
+  static constexpr const char* value = "an int64 array (np.int64)";
+};
+
+// Whether the FFI can test an attribute's type before decoding it (scalars and strings can).
+template <typename T, typename = void>
+struct HasAttrIsa : std::false_type {};
+template <typename T>
+struct HasAttrIsa<T, std::void_t<decltype(ffi::AttrDecoding<T>::Isa(XLA_FFI_AttrType{}, nullptr))>>
+    : std::true_type {};
 
 // Reads attribute `name` of type T, with an error that names the attribute, the expected type
 // and what to do about it (the attributes are written by echo_jax/transports; a mismatch means the
-// Python package and the compiled extension come from different versions).
+// Python package and the compiled extensions come from different versions).
 template <typename T>
 ffi::ErrorOr<T> GetAttr(const Dictionary_Type& attrs, std::string_view name,
                         std::string_view where) {
   if (!attrs.contains(name)) {
     return InvalidArgument(where, "missing attribute '", name, "' (", AttrTypeName<T>::value,
-                           "); echo_jax/p2p.py passes it, so the Python package and the compiled "
-                           "extension echo_jax._ffi are out of sync: reinstall with "
-                           "`pip install -e .`");
+                           "); echo_jax/transports passes it, so the Python package and the "
+                           "compiled extensions (echo_jax._ffi, echo_jax._ffi_cuda) are out of "
+                           "sync: reinstall with `pip install -e .`");
   }
-  if (!attrs.contains<T>(name)) {
-    return InvalidArgument(where, "attribute '", name, "' must be ", AttrTypeName<T>::value);
+  if constexpr (HasAttrIsa<T>::value) {  // arrays have no type test: get's error says it
+    if (!attrs.contains<T>(name)) {
+      return InvalidArgument(where, "attribute '", name, "' must be ", AttrTypeName<T>::value);
+    }
   }
   ffi::ErrorOr<T> value = attrs.get<T>(name);
   if (value.has_error()) {
@@ -132,15 +171,23 @@ ffi::ErrorOr<T> GetAttr(const Dictionary_Type& attrs, std::string_view name,
   return value.value();
 }
 
-// GetAttr plus a closed range check [lo, hi]; `what` says what the attribute means.
+// The closed range check [lo, hi] of an attribute's value; `what` says what it means.
 template <typename T>
-ffi::ErrorOr<T> GetAttrInRange(const Dictionary_Type& attrs, std::string_view name, T lo, T hi,
-                               std::string_view where, std::string_view what) {
-  ECHO_FFI_ASSIGN_OR_RETURN(T value, GetAttr<T>(attrs, name, where));
+Error_Type CheckAttrInRange(T value, std::string_view name, T lo, T hi, std::string_view where,
+                            std::string_view what) {
   if (value < lo || value > hi) {
     return InvalidArgument(where, "attribute '", name, "' (", what, ") must be in [", lo, ", ", hi,
                            "], got ", value);
   }
+  return Error_Type::Success();
+}
+
+// GetAttr plus CheckAttrInRange.
+template <typename T>
+ffi::ErrorOr<T> GetAttrInRange(const Dictionary_Type& attrs, std::string_view name, T lo, T hi,
+                               std::string_view where, std::string_view what) {
+  ECHO_FFI_ASSIGN_OR_RETURN(T value, GetAttr<T>(attrs, name, where));
+  ECHO_FFI_RETURN_IF_ERROR(CheckAttrInRange<T>(value, name, lo, hi, where, what));
   return value;
 }
 

@@ -33,7 +33,7 @@ nb::capsule encapsulate(F* fn) {
 }
 
 NB_MODULE(_ffi_cuda, m) {
-  m.doc() = "CUDA XLA FFI handlers of the Echo all-reduce (see echo_jax/p2p_cuda.py)";
+  m.doc() = "CUDA XLA FFI handlers of the Echo all-reduce (see echo_jax/transports/cuda.py)";
   m.def("registrations", []() {
     nb::dict d;
     d["echo_allreduce_cuda"] = encapsulate(echo_allreduce_cuda);

@@ -18,9 +18,9 @@
 //     and takes 8 loads. Why: four 16-byte loads put 64 bytes a lane in flight before the first
 //     use, and fewer lanes a group means fewer shuffle rounds (log2(kLanes)) and fewer redundant
 //     per-group parameter computations a value (every lane of a group computes the group's
-//     parameters itself: ~50 instructions a lane spread over 16 or 32 values). Measured on one
-//     H200 (ffi/tools/quant_stages.cu, 256 MiB): two loads a lane 84 us fp32 / 60 us bf16, four
-//     78.5 / 54, eight 96 / 78 (59 registers: fewer warps resident). The raw 16-byte words stay
+//     parameters itself: ~50 instructions a lane spread over 16 or 32 values). Two loads a lane
+//     were slower, and so were eight (59 registers: fewer warps resident; docs/gpu.md, timed
+//     with ffi/tools/quant_stages.cu). The raw 16-byte words stay
 //     in registers between the statistics and the encoding (one read of x; the register arrays
 //     are indexed only by unrolled constants, so nothing goes to local memory).
 //   * Grid: one tile of kGroupsPerWarp groups a warp, no grid stride (launch_quantize_fast).
@@ -60,6 +60,7 @@
 #include <string>
 #include <type_traits>
 
+#include "echo_attrs.h"
 #include "echo_common.h"
 #include "echo_cuda.cuh"
 #include "fast_io.cuh"
@@ -133,17 +134,9 @@ __global__ void __launch_bounds__(kQuantThreads)
         float v[kVec];
         fast::unpack_values<T, kVec>(raw[k], v);
 #pragma unroll
-        for (int t = 0; t < kVec; ++t) {
-          const int32_t key = fast::order_key(__float_as_uint(v[t]));
-          kmin = fast::imin(kmin, key);
-          kmax = fast::imax(kmax, key);
-        }
+        for (int t = 0; t < kVec; ++t) fast::key_range_add(kmin, kmax, v[t]);
       }
-#pragma unroll
-      for (int off = kLanes / 2; off > 0; off >>= 1) {  // within the group's aligned lanes
-        kmin = fast::imin(kmin, __shfl_xor_sync(0xffffffffu, kmin, off));
-        kmax = fast::imax(kmax, __shfl_xor_sync(0xffffffffu, kmax, off));
-      }
+      fast::key_range_reduce<kLanes>(kmin, kmax);  // within the group's aligned lanes
       p = fast::make_params_fast<BITS, POLICY>(__uint_as_float(fast::from_order_key(kmin)),
                                                __uint_as_float(fast::from_order_key(kmax)),
                                                fast::keys_finite(kmin, kmax));
@@ -347,8 +340,7 @@ ffi::Error check(int64_t bits, int64_t g, int64_t policy) {
 }
 
 // One tile a warp (no grid stride): with four loads a lane and no prefetch, the hardware's block
-// scheduler keeps the SMs full better than one wave of grid-striding warps (H200, 256 MiB: fp32
-// 4-bit 78.5 against 83.2 us, bf16 54.0 against 55.8; ffi/tools/quant_stages.cu).
+// scheduler keeps the SMs full better than one wave of grid-striding warps (docs/gpu.md).
 template <typename T, int G, int BITS, int POLICY>
 void launch_quantize_fast(cudaStream_t s, const T* x, int64_t groups, uint8_t* packed,
                           uint16_t* params) {
@@ -455,6 +447,15 @@ void launch_dequantize(cudaStream_t s, const uint8_t* packed, const uint16_t* pa
                                                         true);
 }
 
+// The error of the call's kernel launch, if any.
+ffi::Error launch_status(const char* call) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string("echo_jax ") + call + " (CUDA): " +
+                                cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace echo
@@ -485,22 +486,18 @@ static ffi::Error EchoQuantizeCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
     default:
       return ffi::Error::InvalidArgument("echo_jax quantize (CUDA): x must be f32, bf16 or f16");
   }
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return ffi::Error::Internal(std::string("echo_jax quantize (CUDA): ") + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return echo::cuda::launch_status("quantize");
 }
 
+// Attributes of both calls: the format (bits, group_size, policy; ffi/echo_attrs.h).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     echo_quantize_cuda, EchoQuantizeCudaImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-        .Arg<ffi::AnyBuffer>()                     // x: [G * g] values (f32/bf16/f16)
-        .Ret<ffi::Buffer<ffi::U8>>()               // packed codes [G, g*bits/8]
-        .Ret<ffi::Buffer<ffi::U16>>()              // fp16 parameters as bits [G, 1 or 2]
-        .Attr<int64_t>("bits")                     // 4 or 8
-        .Attr<int64_t>("group_size")               // g
-        .Attr<int64_t>("policy"));                 // 0 asym, 1 sym, 2 asym_naive
+    echo::BindFormatAttrs(ffi::Ffi::Bind()
+                              .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+                              .Arg<ffi::AnyBuffer>()         // x: [G * g] values (f32/bf16/f16)
+                              .Ret<ffi::Buffer<ffi::U8>>()   // packed codes [G, g*bits/8]
+                              .Ret<ffi::Buffer<ffi::U16>>()  // fp16 parameters as bits [G, 1|2]
+                          ));
 
 static ffi::Error EchoDequantizeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed,
                                      ffi::Buffer<ffi::U16> params,
@@ -512,19 +509,14 @@ static ffi::Error EchoDequantizeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U
   const int g = static_cast<int>(group_size), b = static_cast<int>(bits), p = static_cast<int>(policy);
   echo::cuda::launch_dequantize(stream, packed.typed_data(), params.typed_data(), groups, g, b, p,
                                 y->typed_data());
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return ffi::Error::Internal(std::string("echo_jax dequantize (CUDA): ") + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return echo::cuda::launch_status("dequantize");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     echo_dequantize_cuda, EchoDequantizeCudaImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-        .Arg<ffi::Buffer<ffi::U8>>()               // packed codes [G, g*bits/8]
-        .Arg<ffi::Buffer<ffi::U16>>()              // fp16 parameters as bits [G, 1 or 2]
-        .Ret<ffi::Buffer<ffi::F32>>()              // y: [G * g] fp32
-        .Attr<int64_t>("bits")
-        .Attr<int64_t>("group_size")
-        .Attr<int64_t>("policy"));
+    echo::BindFormatAttrs(ffi::Ffi::Bind()
+                              .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+                              .Arg<ffi::Buffer<ffi::U8>>()   // packed codes [G, g*bits/8]
+                              .Arg<ffi::Buffer<ffi::U16>>()  // fp16 parameters as bits [G, 1|2]
+                              .Ret<ffi::Buffer<ffi::F32>>()  // y: [G * g] fp32
+                          ));

@@ -98,10 +98,8 @@ ECHO_HD float f16_f32(uint16_t h) {
 // cvt.rni.s32.f32 / cvt.rn.f32.u32 issue on the conversion unit, 16 a clock an SM on sm_80 and
 // sm_90 against 128 fp32 adds; the all-reduce's stages at 4 virtual ranks and 256 MB of bf16 a
 // rank make about 1.5 G of them a call (an encode per value pushed or reduced, a decode per code
-// summed or dequantized), about 0.37 ms of that unit's time if nothing overlapped. Measured on
-// one H200, the forms below changed nothing beyond run-to-run spread (p2p4 0.347 / 1.289 ms
-// against 0.349 / 1.282 bf16, 0.264 / 0.910 against 0.268 / 0.924 fp32, 64 / 256 MB; the
-// standalone quantize and dequantize within 1 us): the conversions overlapped the rest. They stay
+// summed or dequantized). The forms below changed no timing beyond run-to-run spread (the
+// conversions overlapped the rest; docs/gpu.md), and they stay
 // as they give the same bits with fewer slow-unit instructions. Between 2^23 and 2^24 the fp32
 // ulp is exactly 1, so fp32 additions do the same work on the fp32 pipes:
 //   * code -> fp32: the pattern 0x4B000000 | c is 2^23 + c; subtracting 2^23 leaves c exactly.
@@ -272,9 +270,8 @@ constexpr int lanes_for_loads() {
 }
 
 // The standalone quantizer's choice: four loads a lane (64 bytes in flight a lane; fp32 8 lanes
-// a 128-group, 16-bit 4). Measured on one H200 (ffi/tools/quant_stages.cu, 256 MiB): fp32 4-bit
-// 81 us at four loads against 88 us at two, bf16 56 against 64; eight loads were slower again
-// (fewer warps resident: 59-65 registers).
+// a 128-group, 16-bit 4): faster than two, and eight were slower again (fewer warps resident:
+// 59-65 registers; docs/gpu.md).
 template <typename T, int G>
 constexpr int default_lanes() {
   return lanes_for_loads<T, G, 4>();
@@ -387,11 +384,10 @@ __device__ __forceinline__ void pieces_stages(float (&v)[L::kLoads][L::kVec]) {
 
 // kFmaAcrossLanes: the low lane of a pair keeps v + other, the high one other - v; both are one
 // fma(+-1, v, other) (+-v is exact, so its one rounding is the sum's or the difference's, -0
-// included) instead of a sum, a difference and a select. Measured on one H200 (4 virtual ranks):
-// p2p4-rot 1.433 -> 1.240 ms (fp32, 256 MB), 2.130 -> 1.930 ms (bf16); but the +-1 of each
-// stage stays in a register, and the compensated rotated instances went from 64 to 80 (fp32)
-// and 80 to 96 (16-bit, fp32 state) registers and got slower (bf16 comp-fused-rot 4.922 ->
-// 5.735 ms), so they keep the select (false).
+// included) instead of a sum, a difference and a select: faster in the uncompensated rotated
+// instances; but the +-1 of each stage stays in a register, and the compensated rotated
+// instances went from 64 to 80 (fp32) and 80 to 96 (16-bit, fp32 state) registers and got
+// slower, so they keep the select (false; docs/gpu.md).
 template <class L, bool kFmaAcrossLanes>
 __device__ __forceinline__ void hadamard_stages(float (&v)[L::kLoads][L::kVec], int j) {
   piece_stages<L>(v);

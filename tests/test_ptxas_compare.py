@@ -40,3 +40,16 @@ def test_a_log_without_a_report_is_an_error(tmp_path):
     empty.write_text("[1/2] Building CUDA object\n")
     with pytest.raises(SystemExit):
         ptxas_compare.main([str(empty), str(empty)])
+
+
+def test_anonymous_namespaces_compare_across_translation_units(tmp_path):
+    # nvcc names an anonymous namespace after the translation unit's path and contents: the same
+    # kernel built from another checkout, or from a source split into headers, must still match.
+    def named(tu: str) -> str:
+        return report(40, 0).replace("_Z6kernelPf", f"_ZN4echo{tu}1kILi1EEEvPf")
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    a.write_text(named("46_GLOBAL__N__a49ba495_13_quant_cuda_cu_64d5c297"))
+    b.write_text(named("44_GLOBAL__N__0123abcd_11_p2p_cuda_cu_89abcdef"))
+    assert ptxas_compare.normalize("_ZN4echo46_GLOBAL__N__a49ba495_13_quant_cuda_cu_64d5c2971kv") \
+        == "_ZN4echo_GLOBAL__N_1kv"
+    assert ptxas_compare.main([str(a), str(b)]) == 0

@@ -8,6 +8,10 @@ Build each with `-Xptxas=-v` (e.g. `CUDA_FLAGS=-Xptxas=-v .ci/wheel`, or CMake w
 prints, per GPU architecture, the number of kernels, their register range, how many spill, and
 every (kernel, architecture) whose registers, stack frame or spills differ between the two logs.
 Exits 1 when the two builds differ in any of them or in the set of kernels.
+
+Kernels in an anonymous namespace carry nvcc's name for it, which hashes the translation unit's
+path and contents (`_GLOBAL__N__<hash>_<len>_<file>_<hash>`); it is replaced by `_GLOBAL__N_`, so
+two builds of different checkouts, or of a source split into headers, compare kernel by kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +23,27 @@ import sys
 ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 REGS = re.compile(r"Used (\d+) registers")
+ANON = re.compile(r"_GLOBAL__N__[0-9a-f]{8}_(\d+)_")
+
+
+def normalize(name: str) -> str:
+    """`name` with every nvcc anonymous-namespace identifier, and the length that prefixes it in
+    the mangled name, replaced by `_GLOBAL__N_`."""
+    out, pos = [], 0
+    for m in ANON.finditer(name):
+        if m.start() < pos:
+            continue
+        file_len = int(m.group(1))
+        tail = re.match(r"_[0-9a-f]{8}", name[m.end() + file_len:])
+        if tail is None:
+            continue
+        end = m.end() + file_len + tail.end()
+        prefix = str(end - m.start())  # the identifier's length, as the mangled name spells it
+        if not name[:m.start()].endswith(prefix):
+            continue
+        out += [name[pos:m.start() - len(prefix)], "_GLOBAL__N_"]
+        pos = end
+    return "".join(out) + name[pos:]
 
 
 def parse(path: str) -> dict:
@@ -27,7 +52,7 @@ def parse(path: str) -> dict:
     with open(path, errors="replace") as f:
         for line in f:
             if m := ENTRY.search(line):
-                current = (m.group(1), m.group(2))
+                current = (normalize(m.group(1)), m.group(2))
                 report[current] = {}
             elif current is not None and (m := FRAME.search(line)):
                 report[current].update(stack=int(m.group(1)), spill_stores=int(m.group(2)),

@@ -1,0 +1,224 @@
+// The two kinds of CUDA all-reduce call: one rank a GPU (RankImpl: this device's rank of its
+// group, found in the groups attribute) and P virtual ranks on one GPU (VirtualImpl: the rows of
+// a [P, n] operand, on P streams forked from XLA's). Both check the call, join or set up the
+// group's workspaces and run each rank's kernel (p2p_dispatch.cuh). Included by p2p_cuda.cu.
+#ifndef ECHO_JAX_FFI_P2P_CALLS_CUH_
+#define ECHO_JAX_FFI_P2P_CALLS_CUH_
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "p2p_dispatch.cuh"
+#include "xla/ffi/api/ffi.h"
+
+
+namespace echo {
+namespace cuda {
+namespace {
+
+// --- the per-device handler (one rank per GPU, inside shard_map) -----------------------------
+
+// The GPU of XLA's stream (cudaStreamGetDevice, CUDA >= 12.8): which rank this call is.
+ffi::ErrorOr<int> stream_device(cudaStream_t stream) {
+  int device = -1;
+  cudaError_t e = cudaStreamGetDevice(stream, &device);
+  if (e != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string("echo_jax p2p (CUDA): cudaStreamGetDevice: ") + cuda_error_text(e));
+  return device;
+}
+
+// The compensated call's state: m1, m2 both fp32 or both bf16 (EchoConfig.state_dtype), each
+// with x's element count; sets at.state_bf16. Nothing to check without a state.
+ffi::Error check_state(const ffi::AnyBuffer& x, const std::optional<ffi::AnyBuffer>& m1,
+                       const std::optional<ffi::AnyBuffer>& m2, CallAttrs& at) {
+  if (!m1.has_value()) return ffi::Error::Success();
+  const ffi::DataType t1 = m1->element_type(), t2 = m2->element_type();
+  if (t1 != t2 || (t1 != ffi::DataType::F32 && t1 != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument(
+        "echo_jax p2p (CUDA): the state m1, m2 must be both float32 or both bfloat16 "
+        "(EchoConfig.state_dtype), got dtype codes " + std::to_string(static_cast<int>(t1)) +
+        " and " + std::to_string(static_cast<int>(t2)));
+  if (m1->element_count() != x.element_count() || m2->element_count() != x.element_count())
+    return ffi::Error::InvalidArgument(
+        "echo_jax p2p (CUDA): the state m1, m2 have " + std::to_string(m1->element_count()) +
+        " / " + std::to_string(m2->element_count()) + " elements, x has " +
+        std::to_string(x.element_count()));
+  at.state_bf16 = t1 == ffi::DataType::BF16;
+  return ffi::Error::Success();
+}
+
+// m1_out, m2_out: the compensated call's results (updated in place); nullptr with a state: the
+// applied call (at.update false), whose kernels only read m1, m2.
+ffi::Error RankImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi::AnyBuffer> m1,
+                    std::optional<ffi::AnyBuffer> m2, ffi::Result<ffi::AnyBuffer> y,
+                    void* m1_out, void* m2_out, CallAttrs at, ffi::Span<const int64_t> groups) {
+  ffi::Error err = check_attrs(at);
+  if (err.failure()) return err;
+  err = check_state(x, m1, m2, at);
+  if (err.failure()) return err;
+  ffi::ErrorOr<int> dev = stream_device(stream);
+  if (dev.has_error()) return dev.error();
+  const int device = dev.value();
+  if (groups.size() % at.P != 0)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): the groups attribute (" +
+                                       std::to_string(groups.size()) +
+                                       " device ordinals) is not a multiple of num_ranks");
+  int rank = -1;
+  size_t first = 0;
+  for (size_t i = 0; i < groups.size(); ++i)
+    if (groups[i] == device) { rank = static_cast<int>(i % at.P); first = i - rank; }
+  if (rank < 0)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): device " + std::to_string(device) +
+                                       " is in no group of the groups attribute");
+  std::string key = "gpu";
+  std::vector<int> devs;
+  for (int r = 0; r < at.P; ++r) {
+    devs.push_back(static_cast<int>(groups[first + r]));
+    key += ":" + std::to_string(devs.back());
+  }
+  Group* grp = get_group(key);
+  {
+    // First call: every rank allocates its workspace, then all wait until the group is
+    // complete, so no kernel spins while a peer is still inside a blocking CUDA call.
+    std::unique_lock<std::mutex> lock(grp->mu);
+    if (grp->P == 0) {
+      grp->P = at.P;
+      grp->devices = devs;
+      grp->slot_bytes = slot_bytes_from_env();
+      grp->ws.assign(at.P, nullptr);
+      grp->host_error.assign(at.P, nullptr);
+      grp->dev_error.assign(at.P, nullptr);
+      grp->calls.assign(at.P, 0);
+    }
+    if (grp->ws[rank] == nullptr) {
+      lock.unlock();
+      err = setup_rank(*grp, rank);
+      lock.lock();
+      if (err.failure()) return err;
+      ++grp->registered;
+      grp->cv.notify_all();
+    }
+    const bool ready = grp->cv.wait_for(lock, std::chrono::milliseconds(at.timeout_ms),
+                                        [&] { return grp->registered == grp->P; });
+    if (!ready)
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                        "echo_jax p2p (CUDA): rank " + std::to_string(rank) +
+                            " waited for its group's other ranks to set up; only " +
+                            std::to_string(grp->registered) + " of " + std::to_string(at.P) +
+                            " arrived");
+  }
+  err = check_health(*grp, rank);
+  if (err.failure()) return err;
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  at.update = m1_out != nullptr;
+  void* pm1 = at.update || !m1.has_value() ? m1_out : m1->untyped_data();  // read-only if applied
+  void* pm2 = at.update || !m1.has_value() ? m2_out : m2->untyped_data();
+  if (at.update && m1_out != m1->untyped_data()) {  // no aliasing: start from the inputs
+    cudaMemcpyAsync(m1_out, m1->untyped_data(), m1->size_bytes(), cudaMemcpyDeviceToDevice, stream);
+    cudaMemcpyAsync(m2_out, m2->untyped_data(), m2->size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  }
+  if (m1.has_value())
+    return run_rank_dtype<true>(x.element_type(), *grp, rank, stream, at, x.untyped_data(),
+                                y->untyped_data(), pm1, pm2, n, 1);
+  return run_rank_dtype<false>(x.element_type(), *grp, rank, stream, at, x.untyped_data(),
+                               y->untyped_data(), nullptr, nullptr, n, 1);
+}
+
+// --- virtual ranks: P rank pipelines on P streams of one GPU ----------------------------------
+
+ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi::AnyBuffer> m1,
+                       std::optional<ffi::AnyBuffer> m2, ffi::Result<ffi::AnyBuffer> y,
+                       void* m1_out, void* m2_out, CallAttrs at, int absent_rank) {
+  ffi::Error err = check_attrs(at);
+  if (err.failure()) return err;
+  err = check_state(x, m1, m2, at);
+  if (err.failure()) return err;
+  ffi::ErrorOr<int> dev = stream_device(stream);
+  if (dev.has_error()) return dev.error();
+  const int device = dev.value();
+  const auto dims = x.dimensions();
+  if (dims.size() != 2 || dims[0] != at.P)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA, virtual ranks): x must be [P, n] with "
+                                       "P = num_ranks = " + std::to_string(at.P));
+  const int64_t n = dims[1];
+  Group* grp = get_group("virtual:" + std::to_string(device) + ":" + std::to_string(at.P));
+  {
+    std::lock_guard<std::mutex> lock(grp->mu);
+    if (grp->P == 0) {
+      grp->P = at.P;
+      grp->is_virtual = true;
+      grp->devices.assign(at.P, device);
+      grp->slot_bytes = slot_bytes_from_env();
+      grp->ws.assign(at.P, nullptr);
+      grp->host_error.assign(at.P, nullptr);
+      grp->dev_error.assign(at.P, nullptr);
+      grp->calls.assign(at.P, 0);
+      for (int r = 0; r < at.P; ++r) {
+        err = setup_rank(*grp, r);
+        if (err.failure()) return err;
+      }
+      grp->streams.resize(at.P);
+      grp->joins.resize(at.P);
+      for (int r = 0; r < at.P; ++r) {
+        ECHO_CUDA_RETURN(cudaStreamCreateWithFlags(&grp->streams[r], cudaStreamNonBlocking), "stream");
+        ECHO_CUDA_RETURN(cudaEventCreateWithFlags(&grp->joins[r], cudaEventDisableTiming), "event");
+      }
+      ECHO_CUDA_RETURN(cudaEventCreateWithFlags(&grp->fork, cudaEventDisableTiming), "event");
+      grp->registered = at.P;
+    }
+  }
+  for (int r = 0; r < at.P; ++r) {
+    err = check_health(*grp, r);
+    if (err.failure()) return err;
+  }
+  const size_t esize = ffi::ByteWidth(x.element_type());
+  const size_t ssize = at.state_bf16 ? 2 : 4;  // bytes of a state value
+  at.update = m1_out != nullptr;  // with a state and no results: the applied call, m1, m2 read
+  if (m1.has_value() && !at.update) {
+    m1_out = m1->untyped_data();
+    m2_out = m2->untyped_data();
+  }
+  if (at.update && m1_out != m1->untyped_data()) {
+    cudaMemcpyAsync(m1_out, m1->untyped_data(), m1->size_bytes(), cudaMemcpyDeviceToDevice, stream);
+    cudaMemcpyAsync(m2_out, m2->untyped_data(), m2->size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  }
+  // One kernel for every rank (see run_rank): the fast stages only when every row is aligned.
+  const bool fast_ok = aligned16(x.untyped_data()) && aligned16(y->untyped_data()) &&
+                       (n * esize) % 16 == 0 &&
+                       (!m1.has_value() || (aligned16(m1_out) && aligned16(m2_out) &&
+                                            (n * ssize) % 16 == 0));
+  ECHO_CUDA_RETURN(cudaEventRecord(grp->fork, stream), "fork event");
+  for (int r = 0; r < at.P; ++r) {
+    if (r == absent_rank) {  // test hook: this rank never arrives; its peers must time out
+      ++grp->calls[r];
+      continue;
+    }
+    ECHO_CUDA_RETURN(cudaStreamWaitEvent(grp->streams[r], grp->fork, 0), "fork wait");
+    const char* xr = static_cast<const char*>(x.untyped_data()) + r * n * esize;
+    char* yr = static_cast<char*>(y->untyped_data()) + r * n * esize;
+    if (m1.has_value())
+      err = run_rank_dtype<true>(x.element_type(), *grp, r, grp->streams[r], at, xr, yr,
+                                 static_cast<char*>(m1_out) + r * n * ssize,
+                                 static_cast<char*>(m2_out) + r * n * ssize, n, at.P, fast_ok);
+    else
+      err = run_rank_dtype<false>(x.element_type(), *grp, r, grp->streams[r], at, xr, yr, nullptr,
+                                  nullptr, n, at.P, fast_ok);
+    if (err.failure()) return err;
+    ECHO_CUDA_RETURN(cudaEventRecord(grp->joins[r], grp->streams[r]), "join event");
+    ECHO_CUDA_RETURN(cudaStreamWaitEvent(stream, grp->joins[r], 0), "join wait");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace echo
+
+#endif  // ECHO_JAX_FFI_P2P_CALLS_CUH_

@@ -1,0 +1,150 @@
+// Which kernel instance serves a call: the fast stages where g, the policy and the alignment
+// allow (their template instances: dtype, G, BITS, compensated, rotated, state type, update),
+// else the generic ones; then the checks of a call's attributes and of its group's health.
+// Included by p2p_cuda.cu; the instances named here are the kernels the module holds.
+#ifndef ECHO_JAX_FFI_P2P_DISPATCH_CUH_
+#define ECHO_JAX_FFI_P2P_DISPATCH_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "p2p_fast.cuh"
+#include "p2p_generic.cuh"
+#include "p2p_groups.cuh"
+#include "p2p_pipeline.cuh"
+#include "xla/ffi/api/ffi.h"
+
+
+namespace echo {
+namespace cuda {
+namespace {
+
+// The fast kernel instance for (T, g, bits, COMP, ROT, state type S, UPDATE), or nullptr when g
+// has none.
+template <typename T, bool COMP, bool ROT, typename S, bool UPDATE, int BITS, int... Gs>
+void (*fast_kernel_for(int g))(KernelArgs) {
+  void (*kernel)(KernelArgs) = nullptr;
+  ((g == Gs ? (kernel = kernel_of<FastStages<T, Gs, BITS, COMP, ROT, S, UPDATE>, T>(), true)
+            : false) ||
+   ...);
+  return kernel;
+}
+
+template <typename T, bool COMP, bool ROT, typename S = float, bool UPDATE = COMP>
+void (*fast_kernel_for_bits(int bits, int g))(KernelArgs) {
+  return bits == 4 ? fast_kernel_for<T, COMP, ROT, S, UPDATE, 4, 32, 64, 128, 256>(g)
+                   : fast_kernel_for<T, COMP, ROT, S, UPDATE, 8, 32, 64, 128, 256>(g);
+}
+
+// The fast instance of a compensated call for its state's type, rotated or not.
+template <typename T, typename S, bool UPDATE>
+void (*fast_compensated_kernel(const CallAttrs& at))(KernelArgs) {
+  return at.rotate ? fast_kernel_for_bits<T, true, true, S, UPDATE>(at.bits, at.g)
+                   : fast_kernel_for_bits<T, true, false, S, UPDATE>(at.bits, at.g);
+}
+
+// The fast instance for a call: rotated or not, and for a compensated call its state's type
+// (only compensated calls have bf16-state instances) and whether it updates the state (the
+// applied call does not).
+template <typename T, bool COMP>
+void (*fast_kernel_for_call(const CallAttrs& at))(KernelArgs) {
+  if constexpr (COMP) {
+    if (at.state_bf16)
+      return at.update ? fast_compensated_kernel<T, __nv_bfloat16, true>(at)
+                       : fast_compensated_kernel<T, __nv_bfloat16, false>(at);
+    return at.update ? fast_compensated_kernel<T, float, true>(at)
+                     : fast_compensated_kernel<T, float, false>(at);
+  }
+  return at.rotate ? fast_kernel_for_bits<T, COMP, true>(at.bits, at.g)
+                   : fast_kernel_for_bits<T, COMP, false>(at.bits, at.g);
+}
+
+// The generic instance for a call (any g; rotated or not).
+template <typename T, bool COMP, bool UPDATE>
+void (*generic_kernel(const CallAttrs& at))(KernelArgs) {
+  if (at.rotate) return echo_allreduce_kernel<RotatedGenericStages<T, COMP, UPDATE>, T>;
+  return at.g % 4 == 0   ? echo_allreduce_kernel<GenericStages<T, 4, COMP, UPDATE>, T>
+         : at.g % 2 == 0 ? echo_allreduce_kernel<GenericStages<T, 2, COMP, UPDATE>, T>
+                         : echo_allreduce_kernel<GenericStages<T, 1, COMP, UPDATE>, T>;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// `fast_ok`: the caller allows the fast stages. The ranks of a virtual group must all run the
+// same kernel: a kernel's first launch in a process loads it (lazy module loading), and loading
+// waits for the kernels already running on the device, so a rank whose kernel is loaded while
+// a peer's kernel spins waiting for it would deadlock until the timeout.
+template <typename T, bool COMP>
+ffi::Error run_rank(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at, const void* x,
+                    void* y, void* m1, void* m2, int64_t n, int ranks_on_device, bool fast_ok) {
+  const bool aligned =
+      aligned16(x) && aligned16(y) && (m1 == nullptr || (aligned16(m1) && aligned16(m2)));
+  void (*kernel)(KernelArgs) = nullptr;
+  if (fast_ok && aligned && fast::has_fast_policy(at.policy) && !fast::generic_kernels_forced()) {
+    kernel = fast_kernel_for_call<T, COMP>(at);
+  }
+  if (kernel == nullptr) {
+    if constexpr (COMP)
+      kernel = at.update ? generic_kernel<T, true, true>(at) : generic_kernel<T, true, false>(at);
+    else
+      kernel = generic_kernel<T, false, false>(at);
+  }
+  return launch(grp, rank, stream, at, kernel, x, y, m1, m2, n, aligned, ranks_on_device);
+}
+
+template <bool COMP>
+ffi::Error run_rank_dtype(ffi::DataType dt, Group& grp, int rank, cudaStream_t stream,
+                          const CallAttrs& at, const void* x, void* y, void* m1, void* m2,
+                          int64_t n, int ranks_on_device, bool fast_ok = true) {
+  switch (dt) {
+    case ffi::DataType::F32:
+      return run_rank<float, COMP>(grp, rank, stream, at, x, y, m1, m2, n, ranks_on_device, fast_ok);
+    case ffi::DataType::BF16:
+      return run_rank<__nv_bfloat16, COMP>(grp, rank, stream, at, x, y, m1, m2, n, ranks_on_device, fast_ok);
+    case ffi::DataType::F16:
+      return run_rank<__half, COMP>(grp, rank, stream, at, x, y, m1, m2, n, ranks_on_device, fast_ok);
+    default:
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        "echo_jax p2p (CUDA): x must be float32, bfloat16 or float16");
+  }
+}
+
+ffi::Error check_attrs(const CallAttrs& at) {
+  const std::string format = echo::format_error(at.bits, at.g, at.policy);
+  if (!format.empty()) return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): " + format);
+  if (at.factor == nullptr)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): the factor operand must be f32[1] "
+                                       "(the rescaling's power of two; 1 when not rescaled)");
+  if (at.rotate != 0 && at.rotate != 1)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): rotate must be 0 or 1, got " +
+                                       std::to_string(at.rotate));
+  if (at.rotate && (at.g > kMaxRotatedGroup || (at.g & (at.g - 1))))
+    return ffi::Error::InvalidArgument(
+        "echo_jax p2p (CUDA): the rotation in the call needs a power-of-two group_size of at most " +
+        std::to_string(kMaxRotatedGroup) + ", got " + std::to_string(at.g) +
+        " (larger groups rotate in JAX around the call)");
+  if (at.P < 1 || at.P > kMaxCudaRanks)
+    return ffi::Error::InvalidArgument("echo_jax p2p (CUDA): num_ranks must be in [1, " +
+                                       std::to_string(kMaxCudaRanks) + "], got " +
+                                       std::to_string(at.P));
+  return ffi::Error::Success();
+}
+
+ffi::Error check_health(Group& grp, int rank) {
+  if (grp.broken) return ffi::Error(ffi::ErrorCode::kAborted, grp.broken_reason);
+  const int code = grp.host_error[rank] ? *reinterpret_cast<volatile int*>(grp.host_error[rank]) : 0;
+  if (code != 0) {
+    grp.broken = true;
+    grp.broken_reason = "echo_jax p2p (CUDA): " + describe_error(code, rank);
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, grp.broken_reason);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace echo
+
+#endif  // ECHO_JAX_FFI_P2P_DISPATCH_CUH_

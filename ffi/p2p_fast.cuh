@@ -1,0 +1,650 @@
+// The fast stages of the fused all-reduce: G and BITS compile-time, several groups a warp, the
+// quantizer of quant_fast.cuh (the stages' own description is above FastStages). Included by
+// p2p_cuda.cu.
+#ifndef ECHO_JAX_FFI_P2P_FAST_CUH_
+#define ECHO_JAX_FFI_P2P_FAST_CUH_
+
+#include <type_traits>
+
+#include "fast_io.cuh"
+#include "p2p_layout.cuh"
+#include "quant_fast.cuh"
+
+namespace echo {
+namespace cuda {
+namespace {
+
+// ---- the fast stages: G and BITS compile-time, the quantizer of ffi/quant_fast.cuh ------------
+// The same arithmetic, in the same order of rounded operations, as the generic stages and
+// echo_common.h (quant_fast.cuh argues each hardware shortcut), organised like the fast
+// quantize kernel of ffi/quant_cuda.cu: a group is kLanes lanes of one warp, each lane kLoads
+// pieces of kVec = 16 / sizeof(T) values (one 16-byte load of x, one 2/4/8-byte word of codes),
+// so a warp holds kGroupsPerWarp groups at once and every value stays in registers from the
+// load to the encoding. Group statistics are integer min / max of order keys (a group is finite
+// iff its extreme keys are). Why: the generic stages run one warp per group with branchy float
+// min / max and run-time formats, and were instruction-bound (the quantizer's cost times the
+// groups each rank quantizes); here the per-value work is a few integer and fp32 instructions.
+// Needs x, y, m1, m2 16-byte aligned (XLA's buffers are; rows of a virtual-rank array may not
+// be) and G in {32, 64, 128, 256} (instances for larger groups cost build time and registers,
+// 118-191 a thread, for group sizes few use); every other call runs the generic stages.
+// ROT: the Hadamard rotation of every group after the entry loads and before the output stores,
+// in registers and shuffles (quant_fast.cuh), the sign masks of the lanes in shared memory.
+// S: the compensator state's element type (float or __nv_bfloat16; float when !COMP), a template
+// parameter rather than KernelArgs::state_bf16: the run-time branch kept both paths' live ranges
+// (the rotated fp32 compensated instance 64 -> 80 registers, g = 128, sm_90a), and with it the
+// bf16 state was not faster than the fp32 one; as a template parameter it is.
+// UPDATE (COMP only): the update step where y is produced; false: the applied call's instances
+// (EchoConfig.state_update = "separate": the apply step alone, m1 and m2 only read). A template
+// parameter: as a run-time flag (a uniform branch) it raised the compensated instances'
+// registers (64 -> 79-90, 80 -> 89-95, ptxas sm_90a); the generic stages take it likewise.
+template <typename T, int G, int BITS, bool COMP, bool ROT, typename S = float, bool UPDATE = COMP>
+struct FastStages {
+  // Two loads a lane: the stages hold a piece's values, state and output at once (registers).
+  // One in the compensated 16-bit instances: with two, the unrotated ones' update's prefetched
+  // x, m1, m2 (3 x 16 values a lane) took 123-126 registers (2 blocks an SM), with one 64, and
+  // the extra resident blocks pay; the same in the rotated compensated 16-bit instances
+  // (121-127 -> 80 registers, 2 -> 3 blocks an SM). The uncompensated 16-bit instances keep two:
+  // with one they were slower, rotated too despite 80 -> 48 registers (docs/gpu.md).
+  // Four in the uncompensated rotated instances would take one shuffle stage a rotation away
+  // (8 lanes a 128-group in fp32), but ptxas gave fp32 104-110 registers (64 with two) and the
+  // 16-bit ones 650-750 bytes of spills under their 4-blocks bound (sm_90a; not timed).
+  static constexpr int kLoadsPerLane = sizeof(T) == 2 && COMP ? 1 : 2;
+  using L = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, kLoadsPerLane>()>;
+  static constexpr int kVec = L::kVec, kLanes = L::kLanes, kLoads = L::kLoads;
+  static constexpr int kGpw = L::kGroupsPerWarp;
+  static constexpr int kPieceBytes = kVec * BITS / 8;
+  static constexpr int kCodeBytes = G * BITS / 8;
+  // Blocks of kThreads an SM that ptxas must fit (__launch_bounds__; kernel_of), uncompensated
+  // instances (ECHO_P2P_MIN_BLOCKS_32 / _16, rotated: _ROT_32 / _ROT_16) and the applied call's
+  // unrotated 16-bit ones (_APPLIED_16); 1: no bound.
+  static constexpr int kMinBlocks =
+      COMP ? (!UPDATE && !ROT && sizeof(T) == 2 ? ECHO_P2P_MIN_BLOCKS_APPLIED_16 : 1)
+      : ROT ? (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_ROT_32 : ECHO_P2P_MIN_BLOCKS_ROT_16)
+            : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);
+
+  // ECHO_P2P_ROT_EXCHANGE (the uncompensated rotated instances; 0 by default):
+  // the rotation with half exchanges (quant_fast.cuh: one shuffle for two values a cross-lane
+  // stage instead of one a value; the same bits, checked on the host by
+  // ffi/tools/hadamard_exchange_check.cc). Its groups are loaded, stored as codes and stored as
+  // outputs at permuted lanes and pieces: in_piece, code_lane / code_piece, out_lane (the
+  // identity without it).
+  static constexpr bool kExchange = ROT && !COMP && ECHO_P2P_ROT_EXCHANGE;
+  using XP = fast::ExchangePlans<L>;  // instantiated only where kExchange
+  __device__ __forceinline__ static int in_piece(int j, int k) {
+    if constexpr (kExchange) return XP::input_piece(j, k);
+    return k;
+  }
+  __device__ __forceinline__ static int code_lane(int j) {
+    if constexpr (kExchange) return XP::rotated_lane(j);
+    return j;
+  }
+  __device__ __forceinline__ static int code_piece(int j, int k) {
+    if constexpr (kExchange) return XP::rotated_piece(j, k);
+    return k;
+  }
+  __device__ __forceinline__ static int out_lane(int j) {
+    if constexpr (kExchange) return XP::output_lane(j);
+    return j;
+  }
+  __device__ __forceinline__ static void rotate_group(float (&v)[kLoads][kVec], int j,
+                                                     uint32_t sm, float f) {
+    if constexpr (kExchange) fast::hadamard_exchange_rotate<L>(v, j, sm, f);
+    else fast::hadamard_rotate<L, !COMP>(v, j, sm, f);
+  }
+  __device__ __forceinline__ static void unrotate_group(float (&v)[kLoads][kVec], int j,
+                                                       uint32_t sm_out, float f) {
+    if constexpr (kExchange) fast::hadamard_exchange_unrotate<L>(v, j, sm_out, f);
+    else fast::hadamard_unrotate<L, !COMP>(v, j, sm_out, f);
+  }
+
+  // Lane j's sign mask (fast::hadamard_sign_mask), computed once a block: the hash costs
+  // ~25 instructions a value, too much to repeat for every tile. With kExchange, two: the
+  // forward rotation's input layout and the inverse's output layout differ.
+  __device__ static uint32_t* sign_masks() {
+    __shared__ uint32_t masks[kExchange ? 2 * kLanes : kLanes];
+    return masks;
+  }
+  __device__ static void setup() {
+    if constexpr (kExchange) {
+      if (threadIdx.x < kLanes) {
+        sign_masks()[threadIdx.x] = fast::exchange_sign_mask<L>(threadIdx.x, true);
+        sign_masks()[kLanes + threadIdx.x] = fast::exchange_sign_mask<L>(threadIdx.x, false);
+      }
+    } else if constexpr (ROT) {
+      if (threadIdx.x < kLanes)
+        sign_masks()[threadIdx.x] = fast::hadamard_sign_mask<L>(threadIdx.x);
+    }
+  }
+  __device__ static uint32_t sign_mask(int j) {
+    if constexpr (ROT) return sign_masks()[j];
+    return 0;
+  }
+  __device__ __forceinline__ static uint32_t sign_mask_out(int j) {  // the inverse rotation's
+    if constexpr (kExchange) return sign_masks()[kLanes + j];
+    return sign_mask(j);
+  }
+
+  static constexpr bool kStateBf16 = std::is_same_v<S, __nv_bfloat16>;
+  static_assert(kStateBf16 || std::is_same_v<S, float>, "the state is float or bfloat16");
+
+  // kVec values of m (m1 or m2) at element e as fp32; 0 past n. A bf16 state (kVec * 2 bytes:
+  // one 8- or 16-byte access) is widened exactly.
+  __device__ static void load_state(const KernelArgs& a, const void* m, int64_t e, float* v) {
+    if constexpr (kStateBf16)
+      load_vec<__nv_bfloat16, kVec>(static_cast<const __nv_bfloat16*>(m), e, a.n, v);
+    else
+      load_state_f32(static_cast<const float*>(m), e, a.n, v);
+  }
+  // kVec fp32 values stored at element e (a bf16 state rounded to nearest even); none past n.
+  __device__ static void store_state(const KernelArgs& a, void* m, int64_t e, const float* v) {
+    if constexpr (kStateBf16)
+      store_vec<__nv_bfloat16, kVec>(static_cast<__nv_bfloat16*>(m), e, a.n, v);
+    else
+      store_state_f32(static_cast<float*>(m), e, a.n, v);
+  }
+  __device__ static void load_state_f32(const float* m, int64_t e, int64_t n, float* v) {
+    if (e + kVec <= n) {
+#pragma unroll
+      for (int c = 0; c < kVec / 4; ++c) {
+        const float4 w = *reinterpret_cast<const float4*>(m + e + 4 * c);
+        v[4 * c] = w.x; v[4 * c + 1] = w.y; v[4 * c + 2] = w.z; v[4 * c + 3] = w.w;
+      }
+    } else {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) v[t] = e + t < n ? m[e + t] : 0.0f;
+    }
+  }
+  __device__ static void store_state_f32(float* m, int64_t e, int64_t n, const float* v) {
+    if (e + kVec <= n) {
+#pragma unroll
+      for (int c = 0; c < kVec / 4; ++c)
+        *reinterpret_cast<float4*>(m + e + 4 * c) =
+            make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
+    } else {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t)
+        if (e + t < n) m[e + t] = v[t];
+    }
+  }
+
+  // The raw contribution (x as fp32) of the piece at element e; 0 past n (the padding).
+  // kStaged: a whole piece is read from `staged` (shared memory, copied there by prefetch_x)
+  // instead of x; a partial one from x, as prefetch_x leaves it out.
+  template <bool kStaged = false>
+  __device__ static void load_raw(const KernelArgs& a, int64_t e, float* v,
+                                  const uint4* staged = nullptr) {
+    const T* x = static_cast<const T*>(a.x);
+    if (e + kVec <= a.n) {
+      fast::unpack_values<T, kVec>(kStaged ? *staged : *reinterpret_cast<const uint4*>(x + e), v);
+    } else {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) v[t] = e + t < a.n ? to_f32<T>(x[e + t]) : 0.0f;
+    }
+  }
+
+  // The contribution, after the compensator's apply step (Eq. 10) when COMP; the padding beyond
+  // n stays 0 (not compensated, as in the reference).
+  template <bool kStaged = false>
+  __device__ static void load_contrib(const KernelArgs& a, int64_t e, float* v,
+                                      const uint4* staged = nullptr) {
+    load_raw<kStaged>(a, e, v, staged);
+    if constexpr (COMP) {
+      float m1[kVec], m2[kVec];
+      load_state(a, a.m1, e, m1);
+      load_state(a, a.m2, e, m2);
+#pragma unroll
+      for (int t = 0; t < kVec; ++t)
+        if (e + t < a.n) v[t] = comp_apply(v[t], m1[t], m2[t], a.k);
+    }
+    const float f = scale_of(a);  // the rescaling, after the apply step (Sec. 5.4)
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) v[t] = mul_rn(v[t], f);
+  }
+
+  // What the state update of a piece reads (COMP): x as fp32 and m1, m2. The unrotated stages
+  // load it for all kLoads pieces of a group before the first store (prefetch_update), so that
+  // every load of the update is in flight at once (a load after a store of y or m1 / m2 could
+  // alias it and waits for it). The rotated stages load it piece by piece (load_update):
+  // prefetched, their registers went up and the rotated fused compensator got slower.
+  struct UpdateIn {
+    float x[kVec], m1[kVec], m2[kVec];
+  };
+  __device__ static void load_update(const KernelArgs& a, int64_t e, UpdateIn& in) {
+    if constexpr (COMP && UPDATE) {
+      load_raw(a, e, in.x);
+      load_state(a, a.m1, e, in.m1);
+      load_state(a, a.m2, e, in.m2);
+    }
+  }
+  __device__ static void prefetch_update(const KernelArgs& a, int64_t e0, int j,
+                                         UpdateIn (&in)[kLoads]) {
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) load_update(a, e0 + L::index(j, k, 0), in[k]);
+  }
+
+  // Stores y (rounded to T) and, when COMP, updates m1 / m2 in place (Eq. 4 and 11) from the
+  // fp32 y, with x' recomputed from x, m1, m2 (prefetched into `in`) as in load_contrib.
+  __device__ static void store_output(const KernelArgs& a, int64_t e, const float* y_scaled,
+                                      const UpdateIn& in) {
+    float y[kVec];  // back in x's units before the output and the update
+    const float inv = unscale_of(a);
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) y[t] = mul_rn(y_scaled[t], inv);
+    T* out = static_cast<T*>(a.y);
+    if (e + kVec <= a.n) {
+      *reinterpret_cast<uint4*>(out + e) = fast::pack_values<T>(y);
+    } else {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t)
+        if (e + t < a.n) out[e + t] = from_f32<T>(y[t]);
+    }
+    if constexpr (COMP && UPDATE) {  // the applied call leaves the update to its own op
+      float n1[kVec], n2[kVec];
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        const float xp = comp_apply(in.x[t], in.m1[t], in.m2[t], a.k);
+        comp_update(xp, y[t], in.m1[t], in.m2[t], a.k, &n1[t], &n2[t]);
+      }
+      store_state(a, a.m1, e, n1);
+      store_state(a, a.m2, e, n2);
+    }
+  }
+
+  // The encoder of the group whose lanes hold v (order-key min / max over the group's lanes).
+  // min.NaN / max.NaN (the standalone quantizer's range) took 4-6 more registers here, and the
+  // virtual-rank benchmark showed no gain with it; only the plain fp32 push (push_plain), which
+  // takes the range before scaling, is faster with it.
+  __device__ static fast::Encoder group_encoder(const KernelArgs& a, const float (&v)[kLoads][kVec],
+                                                uint32_t* wire) {
+    int32_t kmin = fast::kKeyMax, kmax = fast::kKeyMin;
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) fast::key_range_add(kmin, kmax, v[k][t]);
+    }
+    fast::key_range_reduce<kLanes>(kmin, kmax);  // within the group's aligned lanes
+    return fast::make_encoder<BITS>(a.policy, __uint_as_float(fast::from_order_key(kmin)),
+                                    __uint_as_float(fast::from_order_key(kmax)),
+                                    fast::keys_finite(kmin, kmax), wire);
+  }
+
+  __device__ static int64_t piece_byte(int64_t local, int j, int k) {
+    return local * kCodeBytes + static_cast<int64_t>(k * kLanes + j) * kPieceBytes;
+  }
+
+  // ECHO_P2P_PREFETCH (a build switch, 0 by default): bit 0, the uncompensated push copies the
+  // next group set's x into shared memory (cp.async, two buffers a warp, 16 KiB a block) while
+  // it quantizes the current one; bit 1, the reduce its own x likewise. Why: the stages wait on
+  // memory with one group set a warp in flight (the push takes longer than issuing its
+  // instructions or moving its bytes alone would; docs/gpu.md), and issuing the next set's
+  // loads into registers raised them and was slower (below); copies into shared memory keep
+  // loads in flight without registers. Each lane reads back only the words it copied, so its own
+  // cp.async.wait_group orders them (no barrier).
+  static constexpr bool kPrefetchPush = (ECHO_P2P_PREFETCH & 1) && !COMP;
+  static constexpr bool kPrefetchReduce = (ECHO_P2P_PREFETCH & 2) && !COMP;
+  static constexpr bool kPrefetch = kPrefetchPush || kPrefetchReduce;  // the buffers exist
+  __device__ static uint4* prefetch_buffer(int warp, int stage) {
+    __shared__ uint4 staged[kPrefetch ? kThreads / kWarp : 1][2][kLoads * kWarp];
+    return staged[kPrefetch ? warp : 0][stage];
+  }
+  // Lane's word of piece k in buffer `stage` (nullptr without kPrefetch: no shared array then).
+  __device__ static const uint4* staged_piece(int warp, int stage, int k, int lane) {
+    if constexpr (kPrefetch) return prefetch_buffer(warp, stage) + k * kWarp + lane;
+    return nullptr;
+  }
+  // Starts the copies of the lane's whole pieces of group set q0 of segment seg's tile into buf
+  // (word k * kWarp + lane: consecutive lanes, consecutive 16-byte words) and closes the group;
+  // partial pieces (past n) are left to load_raw.
+  __device__ static void prefetch_x(const KernelArgs& a, int seg, int64_t first, int count,
+                                    int q0, int lane, uint4* buf) {
+    const int q = q0 + lane / kLanes;
+    if (q < count) {
+      const T* x = static_cast<const T*>(a.x);
+      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        const int64_t e = e0 + L::index(lane % kLanes, k, 0);
+        if (e + kVec <= a.n) cp_async_16(&buf[k * kWarp + lane], x + e);
+      }
+    }
+    cp_async_commit();
+  }
+  // A stage loop over the group sets q0 = warp * kGpw, + warps * kGpw, ... stages x when kOn:
+  // the first set before the loop (prefetch_start), then at the top of each iteration (buffer s)
+  // the next set's copies into the other buffer and the wait for this set's (prefetch_next).
+  template <bool kOn>
+  __device__ __forceinline__ static void prefetch_start(const KernelArgs& a, int seg,
+                                                        int64_t first, int count, int warp,
+                                                        int lane) {
+    if constexpr (kOn)
+      prefetch_x(a, seg, first, count, warp * kGpw, lane, prefetch_buffer(warp, 0));
+  }
+  template <bool kOn>
+  __device__ __forceinline__ static void prefetch_next(const KernelArgs& a, int seg,
+                                                       int64_t first, int count, int q0,
+                                                       int warps, int warp, int lane, int s) {
+    if constexpr (kOn) {
+      prefetch_x(a, seg, first, count, q0 + warps * kGpw, lane, prefetch_buffer(warp, s ^ 1));
+      cp_async_wait<1>();  // this set's copies (the group before the newest) have landed
+    }
+  }
+
+  // Issuing the loads of two group sets per warp before using either, and the P - 1 peers'
+  // code words of a group before the sum, raised the registers (fp32 48 -> 73, bf16 64 -> 90 a
+  // thread), so fewer blocks fit an SM, and made the call slower: one group set a warp at a
+  // time, loads issued per stage as below.
+
+  // push of the uncompensated unrotated fp32 call: the group's range from x as loaded, with
+  // min.NaN / max.NaN (two instructions a value; order keys take five), then scaled. Scaling by
+  // the power-of-two factor f is monotone and keeps signs, so the min / max of the scaled values
+  // are the scaled lo / hi bit for bit (-0 < +0 included); fewer instructions, a faster push.
+  // The 16-bit instances keep the keys: the same change with their min.NaN.bf16x2 words spilled
+  // 300-350 bytes a thread under their 5-blocks bound and made them slower;
+  // ECHO_P2P_PLAIN_PUSH_16 gives them this push over the unpacked fp32 values.
+  __device__ static void push_plain(const KernelArgs& a, int seg, int64_t first, int count,
+                                    int64_t local0, int warp, int warps, int lane) {
+    const int j = lane % kLanes;
+    uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
+    uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
+    const float f = scale_of(a);
+    prefetch_start<kPrefetchPush>(a, seg, first, count, warp, lane);
+    // s: the buffer of this group set (prefetch), toggled by every iteration, `continue` too.
+    for (int q0 = warp * kGpw, s = 0; q0 < count; q0 += warps * kGpw, s ^= 1) {
+      prefetch_next<kPrefetchPush>(a, seg, first, count, q0, warps, warp, lane, s);
+      const int q = q0 + lane / kLanes;
+      const bool valid = q < count;
+      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+      float v[kLoads][kVec];
+      fast::Range r = fast::range_empty();
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        if (valid) {
+          load_raw<kPrefetchPush>(a, e0 + L::index(j, k, 0), v[k], staged_piece(warp, s, k, lane));
+        } else {
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
+        }
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) fast::range_add(r, v[k][t]);
+      }
+      fast::range_reduce<kLanes>(r);
+      r.lo = mul_rn(r.lo, f);
+      r.hi = mul_rn(r.hi, f);
+      uint32_t wire;
+      const fast::Encoder enc =
+          fast::make_encoder<BITS>(a.policy, r.lo, r.hi, fast::range_finite(r), &wire);
+      if (!valid) continue;
+      if (j == 0) fast::store_wire(prm, local0 + q, a.policy, wire);
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        uint32_t codes[kVec];
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) codes[t] = fast::encode<BITS>(mul_rn(v[k][t], f), enc);
+        fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, j, k), codes, enc.mask);
+      }
+    }
+  }
+
+  // push: quantize the tile's groups of segment seg into owner seg's push slot for this rank.
+  __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
+                              int64_t local0, int warp, int warps, int lane) {
+    if constexpr (!COMP && !ROT && (sizeof(T) == 4 || ECHO_P2P_PLAIN_PUSH_16)) {
+      push_plain(a, seg, first, count, local0, warp, warps, lane);
+      return;
+    }
+    const int j = lane % kLanes;
+    const uint32_t sm = sign_mask(j);
+    uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
+    uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
+    // q0 is the same for the 32 lanes of a warp, so every shuffle runs with the whole warp;
+    // the lanes of a group past the tile's end compute on zeros and store nothing.
+    prefetch_start<kPrefetchPush>(a, seg, first, count, warp, lane);
+    for (int q0 = warp * kGpw, s = 0; q0 < count; q0 += warps * kGpw, s ^= 1) {
+      prefetch_next<kPrefetchPush>(a, seg, first, count, q0, warps, warp, lane, s);
+      const int q = q0 + lane / kLanes;
+      const bool valid = q < count;
+      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+      float v[kLoads][kVec];
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        if (valid) {
+          load_contrib<kPrefetchPush>(a, e0 + L::index(j, in_piece(j, k), 0), v[k],
+                                      staged_piece(warp, s, in_piece(j, k), lane));
+        } else {
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
+        }
+      }
+      if constexpr (ROT) rotate_group(v, j, sm, a.rot_scale);
+      uint32_t wire;
+      const fast::Encoder enc = group_encoder(a, v, &wire);
+      if (!valid) continue;
+      if (j == 0) fast::store_wire(prm, local0 + q, a.policy, wire);
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        uint32_t codes[kVec];
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) codes[t] = fast::encode<BITS>(v[k][t], enc);
+        fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, code_lane(j), code_piece(j, k)),
+                                      codes, enc.mask);
+      }
+    }
+  }
+
+  // The reduce stage's end with the rotation: the codes of the rotated sum go to every rank's
+  // gather slot, their decoded values are rotated back (all lanes: shuffles) before the stores.
+  __device__ static void reduce_rotated_output(const KernelArgs& a,
+                                               const float (&acc)[kLoads][kVec],
+                                               const fast::Encoder& enc, uint32_t wire, bool valid,
+                                               int64_t local, int64_t e0, int j,
+                                               uint32_t sm_out) {
+    const int64_t gather = gather_slot(a.me, a.P, a.slot_bytes);
+    if (valid && j == 0) {
+      for (int r = 0; r < a.P; ++r)
+        fast::store_wire(reinterpret_cast<uint16_t*>(a.ws[r] + gather + a.params_offset), local,
+                         a.policy, wire);
+    }
+    const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
+    float y[kLoads][kVec];
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      uint32_t codes[kVec];
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        codes[t] = fast::encode<BITS>(acc[k][t], enc) & enc.mask;
+        y[k][t] = fast::decode_fast(codes[t], d);
+      }
+      if (valid) {
+        for (int r = 0; r < a.P; ++r)
+          fast::store_piece<kVec, BITS>(
+              a.ws[r] + gather + piece_byte(local, code_lane(j), code_piece(j, k)), codes,
+              0xFFFFFFFFu);
+      }
+    }
+    unrotate_group(y, j, sm_out, a.rot_scale);
+    if (!valid) return;
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      UpdateIn in;
+      load_update(a, e0 + L::index(out_lane(j), k, 0), in);
+      store_output(a, e0 + L::index(out_lane(j), k, 0), y[k], in);
+    }
+  }
+
+  // reduce + gather of the tile's groups of the own segment.
+  __device__ static void reduce(const KernelArgs& a, int64_t first, int count, int64_t local0,
+                                int warp, int warps, int lane) {
+    const int j = lane % kLanes;
+    const uint32_t sm = sign_mask(j);
+    prefetch_start<kPrefetchReduce>(a, a.me, first, count, warp, lane);  // the own x
+    for (int q0 = warp * kGpw, s = 0; q0 < count; q0 += warps * kGpw, s ^= 1) {
+      prefetch_next<kPrefetchReduce>(a, a.me, first, count, q0, warps, warp, lane, s);
+      const int q = q0 + lane / kLanes;
+      const bool valid = q < count;
+      const int64_t local = local0 + q;
+      const int64_t e0 = (a.me * a.seg_groups + first + q) * G;
+      // fp32 sum in rank order 0..P-1, the own full-precision contribution at its own position.
+      float acc[kLoads][kVec];
+      for (int r = 0; r < a.P; ++r) {
+        float v[kLoads][kVec];
+        if (!valid) {
+#pragma unroll
+          for (int k = 0; k < kLoads; ++k)
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
+        } else if (r == a.me) {
+#pragma unroll
+          for (int k = 0; k < kLoads; ++k)
+            load_contrib<kPrefetchReduce>(a, e0 + L::index(j, in_piece(j, k), 0), v[k],
+                                          staged_piece(warp, s, in_piece(j, k), lane));
+        } else {
+          const uint8_t* slot = a.ws[a.me] + push_slot(r, a.slot_bytes);
+          const DequantParams d = fast::decoder_of<BITS>(
+              fast::load_wire(reinterpret_cast<const uint16_t*>(slot + a.params_offset), local,
+                              a.policy),
+              a.policy);
+#pragma unroll
+          for (int k = 0; k < kLoads; ++k) {
+            uint32_t codes[kVec];
+            fast::unpack_piece_codes<kVec, BITS>(
+                fast::load_piece_word<kVec, BITS>(
+                    slot + piece_byte(local, code_lane(j), code_piece(j, k))),
+                codes);
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) v[k][t] = fast::decode_fast(codes[t], d);
+          }
+        }
+        // The own contribution in the rotated basis, like the peers' codes (r is warp-uniform).
+        if constexpr (ROT) {
+          if (r == a.me) rotate_group(v, j, sm, a.rot_scale);
+        }
+#pragma unroll
+        for (int k = 0; k < kLoads; ++k)
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) acc[k][t] = r == 0 ? v[k][t] : add_rn(acc[k][t], v[k][t]);
+      }
+      uint32_t wire;
+      const fast::Encoder enc = group_encoder(a, acc, &wire);
+      if constexpr (ROT) {
+        reduce_rotated_output(a, acc, enc, wire, valid, local, e0, j,
+                              kExchange ? sign_mask_out(j) : sm);
+      } else {
+        // Written out in place: the same code as a helper like reduce_rotated_output (the
+        // gather offset hoisted) took the fp32 kernel from 48 to 61 registers (ptxas, sm_90a,
+        // g = 128), 4 instead of 5 blocks an SM.
+        if (!valid) continue;
+        UpdateIn in[kLoads];
+        prefetch_update(a, e0, j, in);
+        if (j == 0) {  // the parameters go to every rank's gather slot for this owner
+          for (int r = 0; r < a.P; ++r)
+            fast::store_wire(reinterpret_cast<uint16_t*>(a.ws[r] +
+                                                         gather_slot(a.me, a.P, a.slot_bytes) +
+                                                         a.params_offset),
+                             local, a.policy, wire);
+        }
+        const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
+#pragma unroll
+        for (int k = 0; k < kLoads; ++k) {
+          uint32_t codes[kVec];
+          float y[kVec];
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) {
+            codes[t] = fast::encode<BITS>(acc[k][t], enc) & enc.mask;
+            y[t] = fast::decode_fast(codes[t], d);  // the code peers receive
+          }
+          for (int r = 0; r < a.P; ++r)
+            fast::store_piece<kVec, BITS>(a.ws[r] + gather_slot(a.me, a.P, a.slot_bytes) +
+                                              piece_byte(local, j, k),
+                                          codes, 0xFFFFFFFFu);
+          store_output(a, e0 + L::index(j, k, 0), y, in[k]);
+        }
+      }
+    }
+  }
+
+  // The tail with the rotation: every lane stays for the shuffles of the inverse rotation (a
+  // lane past the tile's end decodes zeros and stores nothing).
+  __device__ static void tail_rotated(const KernelArgs& a, int seg, int64_t first, int count,
+                                      int64_t local0, int warp, int warps, int lane,
+                                      const uint8_t* slot, const uint16_t* prm) {
+    const int j = lane % kLanes;
+    const uint32_t sm = kExchange ? sign_mask_out(j) : sign_mask(j);  // the inverse's
+    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
+      const int q = q0 + lane / kLanes;
+      const bool valid = q < count;
+      const int64_t local = local0 + q;
+      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+      const DequantParams d =
+          valid ? fast::decoder_of<BITS>(fast::load_wire(prm, local, a.policy), a.policy)
+                : DequantParams{0.0f, 0.0f};
+      uint2 words[kLoads];
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k)
+        words[k] = valid ? fast::load_piece_word<kVec, BITS>(
+                               slot + piece_byte(local, code_lane(j), code_piece(j, k)))
+                         : make_uint2(0, 0);
+      float y[kLoads][kVec];
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        uint32_t codes[kVec];
+        fast::unpack_piece_codes<kVec, BITS>(words[k], codes);
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) y[k][t] = fast::decode_fast(codes[t], d);
+      }
+      unrotate_group(y, j, sm, a.rot_scale);
+      if (!valid) continue;
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        UpdateIn in;
+        load_update(a, e0 + L::index(out_lane(j), k, 0), in);
+        store_output(a, e0 + L::index(out_lane(j), k, 0), y[k], in);
+      }
+    }
+  }
+
+  // tail: dequantize the tile's groups of owner seg's reduced code.
+  __device__ static void tail(const KernelArgs& a, int seg, int64_t first, int count,
+                              int64_t local0, int warp, int warps, int lane) {
+    const uint8_t* slot = a.ws[a.me] + gather_slot(seg, a.P, a.slot_bytes);
+    const uint16_t* prm = reinterpret_cast<const uint16_t*>(slot + a.params_offset);
+    if constexpr (ROT) {
+      tail_rotated(a, seg, first, count, local0, warp, warps, lane, slot, prm);
+    } else {
+      tail_plain(a, seg, first, count, local0, warp, warps, lane, slot, prm);
+    }
+  }
+
+  __device__ static void tail_plain(const KernelArgs& a, int seg, int64_t first, int count,
+                                    int64_t local0, int warp, int warps, int lane,
+                                    const uint8_t* slot, const uint16_t* prm) {
+    const int j = lane % kLanes;
+    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
+      const int q = q0 + lane / kLanes;
+      if (q >= count) continue;  // no shuffles here: lanes may leave
+      const int64_t local = local0 + q;
+      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+      const DequantParams d = fast::decoder_of<BITS>(fast::load_wire(prm, local, a.policy), a.policy);
+      uint2 words[kLoads];
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k)  // every load of the group before the first store
+        words[k] = fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k));
+      UpdateIn in[kLoads];
+      prefetch_update(a, e0, j, in);
+#pragma unroll
+      for (int k = 0; k < kLoads; ++k) {
+        uint32_t codes[kVec];
+        fast::unpack_piece_codes<kVec, BITS>(words[k], codes);
+        float y[kVec];
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) y[t] = fast::decode_fast(codes[t], d);
+        store_output(a, e0 + L::index(j, k, 0), y, in[k]);
+      }
+    }
+  }
+};
+
+}  // namespace
+}  // namespace cuda
+}  // namespace echo
+
+#endif  // ECHO_JAX_FFI_P2P_FAST_CUH_
