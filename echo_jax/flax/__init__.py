@@ -20,7 +20,8 @@ The Linen and NNX layers share one definition, in the modules beside them:
   `check_state`); re-exported here;
 * `echo_jax.flax.layer`: the two layers (`COLUMN`, `ROW`: how each splits its parameters, which
   site it runs) and their forward (`apply_site`);
-* `echo_jax.flax.carrier`: what a carrier does (`reset`, `get`, `put`) and `COLLECTION`.
+* `echo_jax.flax.carrier`: what a carrier does (`reset`, `get`, `put`), `COLLECTION` and
+  `without_state` (a Linen model's variables to checkpoint: the parameters without the state).
 
 Modes (`mode=`):
 
@@ -42,11 +43,11 @@ tuple of them with a (traced) `choice` index per call (the early-8-bit policy of
 `echo_jax.tp.early_8bit_configs`, or a calibrated per-site policy).
 """
 
-from echo_jax.flax.carrier import COLLECTION
+from echo_jax.flax.carrier import COLLECTION, without_state
 from echo_jax.flax.sites import (MODES, axis_bound, axis_size, check_state, column_parallel,
                                  resolve_mode, row_parallel, sharded_init, site_with_carrier,
                                  split_features, state_dtype, zero_state)
 
-__all__ = ["COLLECTION", "MODES", "axis_bound", "resolve_mode", "axis_size", "state_dtype",
-           "zero_state", "check_state", "column_parallel", "row_parallel", "site_with_carrier",
+__all__ = ["COLLECTION", "without_state", "MODES", "axis_bound", "resolve_mode", "axis_size",
+           "state_dtype", "zero_state", "check_state", "column_parallel", "row_parallel", "site_with_carrier",
            "sharded_init", "split_features"]

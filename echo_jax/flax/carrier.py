@@ -7,6 +7,11 @@ unchanged in the forward pass; in the backward pass its cotangent carries the li
 site to site in backward order, as `echo_jax.tp.backward_site`). `reset(x)` at the start of every
 forward pass makes both zeros shaped like x, in the config's `state_dtype`.
 
+The state is scratch, not model state: it is remade at every pass and never read across passes,
+so a checkpoint holds the parameters only (`without_state` drops the Linen collection; NNX:
+`nnx.state(model, nnx.Not(EchoState))`). Per site route it is 2 directions x (m1, m2) arrays of
+the reduced value's shape (per rank; `[P, *shape]` in "gspmd" mode) in the state dtype.
+
 `CarrierMethods` is what a carrier does (`reset`, `get`, `put`); the Linen `EchoCarrier` (its
 state in the variable collection `COLLECTION`) and the NNX `EchoCarrier` (its state in two
 `EchoState` variables) only say where the two states are stored (`_load` and `_store`).
@@ -38,6 +43,28 @@ def stored_state(value) -> CompensatorState:
     if isinstance(value, Mapping):
         return CompensatorState(value["m1"], value["m2"])
     return CompensatorState(*value)
+
+
+def without_state(variables):
+    """A Linen model's variables without the compensator state (the collection `COLLECTION`).
+
+    What to checkpoint: the state is remade by every pass (`reset`), so saving it only doubles
+    the checkpoint and ties it to one batch shape. `model.init` returns it with the parameters;
+    filter it out before saving, and out of the target before restoring.
+
+    Args:
+      variables: a mapping of collections (`model.init`'s output, or a restored checkpoint).
+
+    Returns:
+      The same kind of mapping (a `FrozenDict` stays one) without `COLLECTION`.
+    """
+    kept = {k: v for k, v in variables.items() if k != COLLECTION}
+    if not isinstance(variables, dict):
+        try:
+            return type(variables)(kept)
+        except TypeError:
+            pass
+    return kept
 
 
 class CarrierMethods:
@@ -105,4 +132,4 @@ class CarrierMethods:
         self._store(kind, state, "put")
 
 
-__all__ = ["COLLECTION", "DIRECTIONS", "CarrierMethods", "stored_state"]
+__all__ = ["COLLECTION", "DIRECTIONS", "CarrierMethods", "stored_state", "without_state"]

@@ -24,8 +24,11 @@ from typing import Optional
 
 from flax.linen.dtypes import promote_dtype
 
+import jax.numpy as jnp
+
 from echo_jax import tp
-from echo_jax.flax.sites import MODES, SiteConfigs, site_with_carrier, split_features
+from echo_jax.flax.sites import (MODES, SiteConfigs, axis_size, resolve_mode, site_with_carrier,
+                                 split_features)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,4 +149,81 @@ def apply_site(kind: ParallelKind, inputs, kernel, bias=None, *, dtype=None, ech
                              precision=precision, mode=mode, where=where)
 
 
-__all__ = ["ParallelKind", "COLUMN", "ROW", "block_shape", "check_layer", "apply_site"]
+def fuse_columns(blocks, p: int):
+    """The column-parallel parameters of several outputs as one, rank by rank.
+
+    Each block [..., f_i] is split over the axis on its last dim (rank r holds features
+    [r f_i / P, (r + 1) f_i / P) of each). The fused array puts rank r's slices side by side
+    (Megatron's fused QKV layout): [..., P, f_1/P + f_2/P + ...] flattened to
+    [..., sum f_i], so that its block r over the axis is [q_r, k_r, v_r].
+
+    Args:
+      blocks: the arrays [..., f_i] (global, or this rank's blocks with `p` = 1), or Nones.
+      p: the number of ranks the last dim is split over in these arrays (1 for per-rank blocks).
+
+    Returns:
+      The fused array, or None where every block is None.
+    """
+    if all(b is None for b in blocks):
+        return None
+    parts = [jnp.reshape(b, b.shape[:-1] + (p, b.shape[-1] // p)) for b in blocks]
+    fused = jnp.concatenate(parts, axis=-1)
+    return jnp.reshape(fused, fused.shape[:-2] + (-1,))
+
+
+def split_columns(y, sizes, p: int) -> tuple:
+    """`fuse_columns` undone on a fused output: [..., sum f_i] -> a tuple of [..., f_i].
+
+    Args:
+      y: the fused output (global with the rank-by-rank layout, or this rank's with `p` = 1).
+      sizes: the outputs' sizes f_i in `y`'s terms (global, or this rank's f_i / P with p = 1).
+      p: as `fuse_columns`'.
+    """
+    y = jnp.reshape(y, y.shape[:-1] + (p, -1))
+    out, start = [], 0
+    for f in sizes:
+        n = f // p
+        part = y[..., start:start + n]
+        out.append(jnp.reshape(part, part.shape[:-2] + (f,)))
+        start += n
+    return tuple(out)
+
+
+def apply_fused_column(inputs, kernels, biases, *, dtype=None, echo=None,
+                       axis_name: str = "tp", config: SiteConfigs = None, choice=None,
+                       rescale: bool = True, precision=None, mode: str = "auto",
+                       where: str = "apply_fused_column"):
+    """A fused column-parallel layer's forward: one site f on the shared input, several outputs.
+
+    The kernels [in, f_i] (and biases [f_i]) are fused rank by rank (`fuse_columns`), so the
+    layer runs one column-parallel site: one backward Echo all-reduce of the input's cotangent,
+    where separate layers would run one each (as Megatron's fused QKV and gate / up
+    projections). The output is split back per kernel.
+
+    Args:
+      inputs: [..., in], replicated over the axis.
+      kernels: the kernels, this rank's blocks [in, f_i / P] ("shard_map") or the global
+        [in, f_i].
+      biases: the biases (blocks or global), or Nones.
+      dtype, echo, axis_name, config, choice, rescale, precision, mode, where: as
+        `apply_site`'s.
+
+    Returns:
+      A tuple of outputs, one per kernel: [..., f_i / P] ("shard_map") or [..., f_i] sharded
+      over the axis ("gspmd").
+    """
+    inputs, *params = promote_dtype(inputs, *kernels, *biases, dtype=dtype)
+    kernels, biases = params[:len(kernels)], params[len(kernels):]
+    resolved = resolve_mode(mode, axis_name, *kernels, where=where)
+    p = axis_size(resolved, axis_name, *kernels) if resolved == "gspmd" else 1
+    sizes = [k.shape[-1] for k in kernels]
+    for f in sizes:
+        split_features(f, p, "each output's features", where)
+    y = site_with_carrier("column", inputs, fuse_columns(kernels, p), fuse_columns(biases, p),
+                          echo=echo, axis_name=axis_name, config=config, choice=choice,
+                          rescale=rescale, precision=precision, mode=mode, where=where)
+    return split_columns(y, sizes, p)
+
+
+__all__ = ["ParallelKind", "COLUMN", "ROW", "block_shape", "check_layer", "apply_site",
+           "fuse_columns", "split_columns", "apply_fused_column"]

@@ -37,13 +37,14 @@ nothing. Without a carrier (`echo=None`) the sites run uncompensated.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
+from flax.linen.module import _context, _unspecified_parent
 
 from echo_jax.flax import layer
-from echo_jax.flax.carrier import COLLECTION, CarrierMethods
+from echo_jax.flax.carrier import COLLECTION, CarrierMethods, without_state
 from echo_jax.flax.sites import axis_bound, axis_size, sharded_init
 
 default_kernel_init = nn.initializers.lecun_normal()
@@ -99,6 +100,10 @@ class ParallelDense(nn.Module):
     """
 
     kind: ClassVar[layer.ParallelKind]
+    #: The auto-name prefix of the Flax layer this class replaces ("Dense": an unnamed layer is
+    #: `Dense_0`, `Dense_1`, ..., counted with the parent's `nn.Dense`s), or None (the class
+    #: name, Flax's default).
+    replaces: ClassVar[Optional[str]] = None
 
     features: int
     use_bias: bool = True
@@ -112,6 +117,32 @@ class ParallelDense(nn.Module):
     echo: Optional[EchoCarrier] = None
     mode: str = "auto"
     rescale: bool = False
+
+    def __post_init__(self):
+        # Flax names an unnamed submodule after its class (`ColumnParallelDense_0`); a drop-in
+        # for nn.Dense takes Dense's name, so a model's parameter paths (and checkpoints) stay
+        # the same when its nn.Dense layers are swapped for these.
+        prefix = self._auto_name_prefix()
+        parent = self.parent
+        if parent is _unspecified_parent:           # Flax's default: the module being defined
+            parent = _context.module_stack[-1]
+        if (prefix is not None and self.name is None and isinstance(parent, nn.Module)
+                and not parent._state.in_setup and parent._initialization_allowed):
+            cursor = parent._state.autoname_cursor.get(prefix, 0)
+            object.__setattr__(self, "name", f"{prefix}_{cursor}")
+            parent._state.autoname_cursor[prefix] = cursor + 1
+        super().__post_init__()
+
+    @classmethod
+    def _auto_name_prefix(cls) -> Optional[str]:
+        """`replaces` in the class name (a lifted `nn.remat(ColumnParallelDense)` is
+        `CheckpointDense_0`, as `nn.remat(nn.Dense)`'s); None for a user's subclass."""
+        for base in cls.__mro__:
+            if base.__dict__.get("replaces"):
+                if base.__name__ in cls.__name__:
+                    return cls.__name__.replace(base.__name__, base.__dict__["replaces"])
+                return None
+        return None
 
     def _param(self, name, init, global_shape, sharding, split_dim, p):
         """A parameter boxed with `nn.with_partitioning(init, sharding)`.
@@ -170,7 +201,50 @@ class ColumnParallelDense(ParallelDense):
     """
 
     kind: ClassVar[layer.ParallelKind] = layer.COLUMN
+    replaces: ClassVar[Optional[str]] = "Dense"
     rescale: bool = layer.COLUMN.rescale
+
+
+class FusedColumnParallelDense(ParallelDense):
+    """Several column-parallel `Dense`s on one input, with one backward Echo all-reduce.
+
+    Megatron's fused QKV (or gate / up) projection: `features=(q, k, v)` returns a tuple of
+    outputs, each as `ColumnParallelDense(f_i)`'s (this rank's `f_i / P` features per rank, so
+    each rank gets its own heads of q, k and v), but the input enters through one site f: in the
+    backward pass the summed cotangent of x is all-reduced once, where three separate layers
+    would all-reduce it three times.
+
+    Parameters: `kernel_{i}` [in, f_i] and `bias_{i}` [f_i] per output i, each split over the
+    axis on its features (`(None, axis_name)`, `(axis_name,)`): the parameters of separate
+    column layers `i`, renamed (`params["kernel_0"] = params_q["kernel"]`, ...). Attributes as
+    `ParallelDense`'s, with `features` a sequence of output sizes (each divisible by P).
+    """
+
+    kind: ClassVar[layer.ParallelKind] = layer.COLUMN
+    features: Sequence[int] = ()
+    rescale: bool = layer.COLUMN.rescale
+
+    @nn.compact
+    def __call__(self, inputs, *, choice=None):
+        """Applies the layer: a tuple with one output per entry of `features` (see
+        `ColumnParallelDense.__call__` for each output's shape)."""
+        where, kind, ax = type(self).__name__, self.kind, self.axis_name
+        layer.check_layer(where, mode=self.mode, config=self.config, echo=self.echo,
+                          carrier_type=EchoCarrier)
+        if not self.features:
+            raise ValueError(f"{where}: features must be a non-empty sequence of output sizes")
+        p = axis_size("shard_map", ax) if axis_bound(ax) else None
+        n_in = inputs.shape[-1]
+        kernels, biases = [], []
+        for i, f in enumerate(self.features):
+            kernels.append(self._param(f"kernel_{i}", self.kernel_init, (n_in, f),
+                                       kind.kernel_sharding(ax), kind.kernel_split_dim, p))
+            biases.append(self._param(f"bias_{i}", self.bias_init, (f,), kind.bias_sharding(ax),
+                                      kind.bias_split_dim(), p) if self.use_bias else None)
+        return layer.apply_fused_column(inputs, kernels, biases, dtype=self.dtype,
+                                        echo=self.echo, axis_name=ax, config=self.config,
+                                        choice=choice, rescale=self.rescale,
+                                        precision=self.precision, mode=self.mode, where=where)
 
 
 class RowParallelDense(ParallelDense):
@@ -184,7 +258,9 @@ class RowParallelDense(ParallelDense):
     """
 
     kind: ClassVar[layer.ParallelKind] = layer.ROW
+    replaces: ClassVar[Optional[str]] = "Dense"
     rescale: bool = layer.ROW.rescale
 
 
-__all__ = ["ColumnParallelDense", "RowParallelDense", "ParallelDense", "EchoCarrier", "COLLECTION"]
+__all__ = ["ColumnParallelDense", "RowParallelDense", "FusedColumnParallelDense", "ParallelDense",
+           "EchoCarrier", "COLLECTION", "without_state"]

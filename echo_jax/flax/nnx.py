@@ -38,7 +38,7 @@ carrier (`in_axes=(nnx.Carry, 0)` with `(x, carrier)` as the carry) and pass it 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +85,40 @@ class EchoCarrier(CarrierMethods, nnx.Module):
     def _store(self, direction, state, where):
         del where
         getattr(self, direction).set_value(state)
+
+    def clear(self) -> None:
+        """Drops both states (the variables hold None again, as before the first pass).
+
+        End a pass with it where the next call is jitted (`nnx.jit` decoding): the state a pass
+        leaves is an input of the next jitted call, and its shape a key of jit's cache, so a
+        prefill-shaped state left for the first decoding step (and a step-shaped one for the
+        next prefill) compiles the step again though the pass never reads it (it resets). With
+        the state cleared, each input shape compiles once. The final state is then gone: skip
+        `clear` to inspect it.
+        """
+        self.fwd.set_value(None)
+        self.bwd.set_value(None)
+
+
+#: The NNX filter of a model's state without the compensator state: what to checkpoint
+#: (`nnx.state(model, MODEL_STATE)`, the same as `nnx.state(model, nnx.Not(EchoState))`).
+MODEL_STATE = nnx.Not(EchoState)
+
+
+def without_state(model):
+    """The model's state to checkpoint: every variable but the compensator state (`EchoState`).
+
+    The state is remade by every pass (`EchoCarrier.reset`), so it is not model state; saving it
+    ties a checkpoint to one batch shape. Restore into `without_state(target_model)` (orbax's
+    target) and apply with `nnx.update(model, restored)`.
+
+    Args:
+      model: an NNX module (or a graph of them).
+
+    Returns:
+      `nnx.state(model, nnx.Not(EchoState))`.
+    """
+    return nnx.state(model, MODEL_STATE)
 
 
 def _param(value, sharding):
@@ -206,6 +240,80 @@ class ColumnParallelLinear(ParallelLinear):
     kind: ClassVar[layer.ParallelKind] = layer.COLUMN
 
 
+class FusedColumnParallelLinear(nnx.Module):
+    """Several column-parallel `nnx.Linear`s on one input, with one backward Echo all-reduce.
+
+    Megatron's fused QKV (or gate / up) projection: `out_features=(q, k, v)` returns a tuple of
+    outputs, each as `ColumnParallelLinear(in_features, f_i)`'s (per rank this rank's `f_i / P`
+    features, so each rank gets its own heads of q, k and v), but the input enters through one
+    site f: in the backward pass the summed cotangent of x is all-reduced once, where separate
+    layers would all-reduce it once each.
+
+    Parameters: `kernel_{i}` [in, f_i] and `bias_{i}` [f_i] per output i (`nnx.Param`s with the
+    column layer's sharding metadata), drawn from `rngs` in the order of separate
+    `nnx.Linear(in_features, f_i)` layers made one after the other (kernel_0, bias_0, kernel_1,
+    ...), so the same seed gives their values. Arguments as `ParallelLinear`'s, with
+    `out_features` a sequence of output sizes (each divisible by P).
+    """
+
+    kind: ClassVar[layer.ParallelKind] = layer.COLUMN
+
+    def __init__(self, in_features: int, out_features: Sequence[int], *, use_bias: bool = True,
+                 dtype=None, param_dtype=jnp.float32, precision=None,
+                 kernel_init=default_kernel_init, bias_init=default_bias_init,
+                 axis_name: str = "tp", config=None, mode: str = "auto",
+                 echo: Optional[EchoCarrier] = None, rescale: Optional[bool] = None,
+                 rngs: nnx.Rngs):
+        where = type(self).__name__
+        layer.check_layer(where, mode=mode, config=config, echo=echo, carrier_type=EchoCarrier)
+        out_features = tuple(int(f) for f in out_features)
+        if not out_features:
+            raise ValueError(f"{where}: out_features must be a non-empty sequence of sizes")
+        for i, f in enumerate(out_features):
+            setattr(self, f"kernel_{i}", _param(kernel_init(rngs.params(), (in_features, f),
+                                                            param_dtype),
+                                                self.kind.kernel_sharding(axis_name)))
+            setattr(self, f"bias_{i}", _param(bias_init(rngs.params(), (f,), param_dtype),
+                                              self.kind.bias_sharding(axis_name))
+                    if use_bias else nnx.data(None))
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.axis_name = axis_name
+        self.config = config
+        self.mode = mode
+        self.echo = echo
+        self.rescale = self.kind.rescale if rescale is None else rescale
+
+    def __call__(self, inputs, *, choice=None, echo: Optional[EchoCarrier] = None):
+        """Applies the layer: a tuple with one output per entry of `out_features` (each as
+        `ColumnParallelLinear.__call__`'s); `choice` and `echo` as there."""
+        where = type(self).__name__
+        echo = self.echo if echo is None else echo
+        layer.check_layer(where, mode=self.mode, config=self.config, echo=echo,
+                          carrier_type=EchoCarrier)
+        n = len(self.out_features)
+        kernels = [getattr(self, f"kernel_{i}")[...] for i in range(n)]
+        biases = [getattr(self, f"bias_{i}")[...] if self.use_bias else None for i in range(n)]
+        if axis_bound(self.axis_name):
+            p = axis_size("shard_map", self.axis_name)
+            for f, k in zip(self.out_features, kernels):
+                want = layer.block_shape((self.in_features, f), 1, p, "out_features", where)
+                if tuple(k.shape) != want:
+                    raise ValueError(
+                        f"{where}: inside a shard_map over {self.axis_name!r} (P = {p}) each "
+                        f"kernel must be this rank's block {want}, got {tuple(k.shape)}: pass "
+                        "the model's state into shard_map with the specs of "
+                        "nnx.get_partition_spec(state)")
+        return layer.apply_fused_column(inputs, kernels, biases, dtype=self.dtype, echo=echo,
+                                        axis_name=self.axis_name, config=self.config,
+                                        choice=choice, rescale=self.rescale,
+                                        precision=self.precision, mode=self.mode, where=where)
+
+
 class RowParallelLinear(ParallelLinear):
     """A row-parallel `nnx.Linear`: y = g(x @ kernel) + bias, input features split over the
     tensor-parallel axis.
@@ -220,5 +328,5 @@ class RowParallelLinear(ParallelLinear):
     kind: ClassVar[layer.ParallelKind] = layer.ROW
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelLinear", "EchoCarrier",
-           "EchoState"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "FusedColumnParallelLinear",
+           "ParallelLinear", "EchoCarrier", "EchoState", "MODEL_STATE", "without_state"]

@@ -617,12 +617,12 @@ def doc_blocks():
             for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
 
 
-def test_doc_has_the_four_examples():
+def test_doc_has_the_five_examples():
     heads = [h for _, h in doc_blocks()]
-    assert len(heads) == 4, heads
+    assert len(heads) == 5, heads
 
 
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(5))
 def test_doc_example_runs(index):
     code, _ = doc_blocks()[index]
     namespace = {"__name__": f"your_model_md_example_{index}"}
