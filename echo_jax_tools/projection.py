@@ -397,8 +397,9 @@ def _device_hbm(device: str | None) -> float | None:
 
 
 def source_commit() -> str | None:
-    """The commit of this code (short hash, "-dirty" with uncommitted changes to tracked files),
-    or None where the module does not run from a git checkout of the project."""
+    """The commit of this code (short hash; "-dirty" with uncommitted changes to tracked files
+    outside results/, which the runs write), or None where the module does not run from a git
+    checkout of the project."""
     here = os.path.dirname(os.path.abspath(__file__))
 
     def git(*cmd):
@@ -414,7 +415,8 @@ def source_commit() -> str | None:
         head = git("rev-parse", "--short=7", "HEAD")
         if head.returncode:
             return None
-        dirty = git("diff", "--quiet", "HEAD", "--").returncode != 0
+        dirty = git("diff", "--quiet", "HEAD", "--", ":(top)",
+                    ":(top,exclude)results").returncode != 0
         return head.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
