@@ -990,13 +990,14 @@ def main(argv=None) -> int:
         print(E2E_MOVED, file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
+    args.argv = argv
     if args.cmd == "gate" and args.rows is None:
         args.rows = [r for r in ROWS if r == "psum" or r in GATE_ROWS]
     if args.cmd in ("allreduce", "gate"):
         request_host_devices(args.ranks or 8, minimum=8)
     try:
         if args.cmd in ("allreduce", "gate"):
-            result = bench_allreduce(args)
+            result = {**projection.provenance(argv), **bench_allreduce(args)}
             if args.gate:
                 result["gate"] = gate_summary(result, args.gate_row)
             print(format_allreduce_table(result))
@@ -1015,7 +1016,8 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"python -m echo_jax_tools.bench {args.cmd}: error: {err}", file=sys.stderr)
         return 2
-    result = bench_kernels(args) if args.cmd == "kernels" else bench_virtual(args)
+    result = {**projection.provenance(argv),
+              **(bench_kernels(args) if args.cmd == "kernels" else bench_virtual(args))}
     for row in result["rows"]:
         print(json.dumps(row))
     if args.json:

@@ -2,7 +2,7 @@ r"""Projection of one all-reduce on a real P-GPU NVLink machine from single-GPU 
 
     python -m echo_jax_tools.bench project [--preset a100-nvlink3|h200-nvlink4|all] [--ranks 4,8]
         [--sizes 64MB,256MB,1GB] [--dtypes float32,bfloat16] [--link-gbps G] [--latency-us A]
-        [--hbm-gbps H] [--nccl-busbw-gbps B] [--p2p-eff E] [--state-bytes 4]
+        [--hbm-gbps H] [--nccl-busbw-gbps B] [--p2p-eff E] [--state-bytes 4|2]
         [--kernels-json F|none] [--allreduce-json F|none] [--json OUT] [--png OUT]
 
 This is a model, not a measurement: the project has measured Echo on one GPU only (virtual ranks),
@@ -45,16 +45,27 @@ gather sends (P-1)/P of the reduced codes; every GPU sends and receives at once 
   k and C follow the kernel's launch plan (ffi/p2p_cuda.cu): tiles of <= 16384 values, >= 64 tiles
   per segment, a chunk = the tiles whose codes fit one 32 MiB receive slot (one launch per chunk).
 
-comp-fused (p2p4 with the fused compensator, Sec. 5.3): H grows by the compensator's HBM bytes,
-    extra bytes per element = 6 s + e  (reads m1, m2 at entry; re-reads x, m1, m2 and writes m1, m2
-    where y is produced; s = state bytes: 28 B for fp32 x with an fp32 state, 14 B for bf16 x with
-    a bf16 state); then T as for p2p4. The paper times only what the call adds to the critical
-    path, with the state update beside the next matrix multiplication; the JSON's
-    entry_only_overlapped_s counts only the entry reads (2 s) for that comparison.
-comp-separate (`EchoConfig.state_update="separate"`, that design): H grows by the entry reads
-    only, 2 s a value; the update (x, y, m1, m2 read, m1, m2 written: 2 e + 4 s a value, the
-    JSON's update_beside_s) runs beside the next matrix multiplication and is assumed hidden
-    there, as the paper's Table 2 times its fused row (what the call adds to the critical path).
+comp-fused, comp-separate (p2p4 with the compensator: fused in the call, Sec. 5.3; or the apply
+step in the call and the update as its own op after it, `EchoConfig.state_update="separate"`):
+projected only from a measured added time, never from an assumed one. `bench allreduce
+--next-matmul D` times every row followed by the next layer's matrix multiplication of its sum
+and records added_to_next_matmul_s, A = (row + matmul) - (matmul alone): what the call adds to
+the critical path, the Echo paper's Table 2 method (Sec. 7.1). From that JSON, in the projected
+dtype, at the measured size S_m nearest to S (log scale) where both p2p4 and the compensated row
+have A:
+    D_m = A(compensated row, S_m) - A(p2p4, S_m)      (seconds, P_v virtual ranks on one GPU)
+is what compensation costs over plain p2p4: the state's HBM traffic and whatever of the update did
+not run beside the matmul. No link carries it, and nothing measured shows it overlapping
+anything, so the projection scales it as it scales HBM work (per rank, linear in the values, by
+the ratio of the HBM bandwidths; the compensator's work per rank does not depend on P) and adds
+it to the critical path in full:
+    D = max(D_m, 0) / P_v * (S / S_m) * hbm_measured_device / hbm_target
+    T(comp) = T(p2p4) + D                              (overlapped and serial alike)
+with T(p2p4) the p2p4 row of this projection. Measured rows: comp-fused <- p2p4-comp-fused
+(fp32 state; p2p4-comp-fused-bf16state with --state-bytes 2), comp-separate <-
+p2p4-comp-separate (fp32 state). Where the JSON lacks A for p2p4 or the compensated row in the
+projected dtype (or has no such row), the row is not projected: its times are null, and the
+table and the JSON's not_projected say why.
 
 xla4 (the two-collective baseline, transport "xla": quantize + all-to-all + fp32 sum + quantize +
 all-gather), no overlap:
@@ -69,15 +80,15 @@ HBM efficiency, in order of preference:
         H_eff(row) = bytes_model(row, N_m, P_v, dtype_m) * P_v / T_measured(row, S_m)
                      * hbm_target / hbm_measured_device
      at the measured size nearest to S (log scale); one H_eff for all stages of the row. xla4, p2p4
-     and p2p8 use their own rows; comp-fused uses p2p4's, and its extra bytes move at
-        extra_bytes(fp32 state) * N_m * P_v / (T(p2p4-comp-fused) - T(p2p4)), scaled alike.
+     and p2p8 use their own rows (median_s, the call alone).
   2. `--kernels-json` (`bench kernels`, default results/gpu/bench_kernels.json): the copy's measured
      fraction of the measured device's datasheet HBM bandwidth (eta_copy) and each kernel's
      fraction of the copy (eta_kernel: push = quantize b-bit in the input dtype, reduce = mean of
      quantize b-bit fp32 and dequantize b-bit, tail = dequantize b-bit; xla4 = their mean):
         H_eff(stage) = hbm_target * eta_copy * eta_kernel(stage)
   3. Neither: eta_copy = 0.8 and eta_kernel = 0.75 (assumptions).
-  Without a measured row the compensator's extra bytes move at the tail stage's H_eff (2. or 3.).
+  hbm_measured_device is the datasheet HBM bandwidth of the JSON's "device" (DEVICE_HBM_GBPS);
+  for a device not in that table the ratio is taken as 1 and the output's sources say so.
 The standalone kernels of `bench kernels` are the fast quantizer; the all-reduce kernel still uses
 the generic one, so 1. is the projection of the code as it is and 2. of an all-reduce kernel that
 streams at the standalone kernels' efficiency.
@@ -99,9 +110,21 @@ Link presets (defaults; every value is overridable by a flag):
 The paper's anchors (8x A100 NVLink, P = 4, g = 128, 1 GB 16-bit messages; Sec. 7, Table 2):
 Echo 4-bit 2.65x, 4-bit with fused compensation 2.09x, 8-bit 1.63x against 16-bit NCCL.
 
+Output: a table (the compensated rows' cells read "not projected" where no added time was
+measured) and, with --json, the rows and their sources: "command" and "commit" of this projection,
+and under "inputs" each input JSON's path with its own "command", "commit" and "device" fields as
+the file has them (null where it has none).
+
+A measurement with the added times (one GPU, 4 virtual ranks), then the one line that projects it:
+    python -m echo_jax_tools.bench allreduce --virtual --ranks 4 --sizes 64MB,256MB \
+        --dtype bfloat16 --rows psum,xla4,p2p8,p2p4,p2p4-comp-fused,p2p4-comp-separate \
+        --next-matmul 4096 --json AR.json --no-plot
+    python -m echo_jax_tools.bench project --dtypes bfloat16 --allreduce-json AR.json --json P.json
+
 Not modelled: NVSwitch contention beyond the per-direction link limit, kernel launch and host
 overheads, clock and power limits, NCCL's algorithm choice (ring only), HBM traffic of NCCL itself
-(assumed hidden), and anything a real multi-GPU run would show that one GPU cannot.
+(not counted: its link time is taken to dominate), and anything a real multi-GPU run would show
+that one GPU cannot.
 """
 
 from __future__ import annotations
@@ -110,6 +133,8 @@ import dataclasses
 import json
 import math
 import os
+import shlex
+import subprocess
 
 import numpy as np
 
@@ -125,9 +150,17 @@ ROW_LABELS = {
     "xla4": "two-collective 4-bit (quantize, all-to-all, sum, quantize, all-gather)",
     "p2p4": "Echo custom call 4-bit",
     "p2p8": "Echo custom call 8-bit",
-    "comp-fused": "Echo 4-bit with the fused compensator",
-    "comp-separate": "Echo 4-bit, compensator applied in the call, updated beside the next matmul "
-                     "(state_update='separate'; the critical path only)",
+    "comp-fused": "Echo 4-bit with the fused compensator: p2p4 plus the measured added time over "
+                  "p2p4",
+    "comp-separate": "Echo 4-bit, compensator applied in the call, the update as its own op after "
+                     "it (state_update='separate'): p2p4 plus the measured added time over p2p4",
+}
+
+#: The compensated rows: the `bench allreduce` row measured for each, by state bytes per value.
+MEASURED_COMP_ROWS = {
+    ("comp-fused", 4.0): "p2p4-comp-fused",
+    ("comp-fused", 2.0): "p2p4-comp-fused-bf16state",
+    ("comp-separate", 4.0): "p2p4-comp-separate",
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -135,6 +168,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 #: The Echo paper's anchors: 8x A100 NVLink, P = 4, g = 128, 1 GB 16-bit (Sec. 7, Table 2).
 PAPER_A100_P4_1GB = {"nccl_ms": 9.00, "p2p4": 2.65, "comp-fused": 2.09, "p2p8": 1.63,
                      "comp-fused_ms": 4.30}
+
+#: Datasheet HBM GB/s of a measured device, by a substring of its name (first match wins):
+#: H200 SXM 4.8 TB/s; H100 PCIe 2.0, H100 NVL 3.9, H100 SXM 3.35; A100 40GB 1.555, A100 80GB
+#: SXM 2.039 (NVIDIA datasheets).
+DEVICE_HBM_GBPS = (("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100 NVL", 3900.0),
+                   ("H100", 3350.0), ("A100-SXM4-40GB", 1555.0), ("A100-PCIE-40GB", 1555.0),
+                   ("A100", 2039.0))
 
 DEFAULT_KERNELS_JSON = "results/gpu/bench_kernels.json"
 DEFAULT_ALLREDUCE_JSON = "results/gpu/bench_allreduce_h200x1-virtual4.json"
@@ -291,7 +331,9 @@ def compensator_extra_bytes(elem_bytes: float, state_bytes: float = 4.0) -> floa
 
     Returns:
       6 s + e: reads m1, m2 at entry (2 s); re-reads x, m1, m2 (e + 2 s) and writes m1, m2 (2 s)
-      where y is produced. 28 for fp32 x and state, 14 for bf16 x and state.
+      where y is produced. 28 for fp32 x and state, 14 for bf16 x and state. The projection takes
+      the compensated rows' cost from measured added times, not from this count; it is the count
+      that explains why that cost is large against p2p4's 2 e + 4 (P-1)/P w.
     """
     return 6 * state_bytes + elem_bytes
 
@@ -348,10 +390,55 @@ def _load_json(path):
 
 def _device_hbm(device: str | None) -> float | None:
     """Datasheet HBM GB/s of a measured device name ("NVIDIA H200" -> 4800), or None."""
-    for link in PRESETS.values():
-        if device and link.device.lower() in device.lower():
-            return link.hbm_gbps
+    for name, gbps in DEVICE_HBM_GBPS:
+        if device and name.lower() in device.lower():
+            return gbps
     return None
+
+
+def source_commit() -> str | None:
+    """The commit of this code (short hash; "-dirty" with uncommitted changes to tracked files
+    outside results/, which the runs write), or None where the module does not run from a git
+    checkout of the project."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*cmd):
+        return subprocess.run(["git", "-C", here, *cmd], capture_output=True, text=True,
+                              timeout=10)
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode or not os.path.isdir(os.path.join(top.stdout.strip(),
+                                                            "echo_jax_tools")) or \
+                not os.path.samefile(os.path.join(top.stdout.strip(), "echo_jax_tools"), here):
+            return None
+        head = git("rev-parse", "--short=7", "HEAD")
+        if head.returncode:
+            return None
+        dirty = git("diff", "--quiet", "HEAD", "--", ":(top)",
+                    ":(top,exclude)results").returncode != 0
+        return head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(argv) -> dict:
+    """{"command", "commit"} of a `python -m echo_jax_tools.bench` run, for its results JSON.
+
+    Args:
+      argv: the command's arguments without the program name (None: unknown).
+    """
+    command = None if argv is None else \
+        "python -m echo_jax_tools.bench " + shlex.join(str(a) for a in argv)
+    return {"command": command, "commit": source_commit()}
+
+
+def input_record(path, data: dict | None) -> dict | None:
+    """What a results JSON records of one input file: its path and its own "command", "commit"
+    and "device" fields as the file has them (None where it has none); None without a file."""
+    if data is None:
+        return None
+    return {"path": str(path), **{k: data.get(k) for k in ("command", "commit", "device")}}
 
 
 @dataclasses.dataclass
@@ -363,15 +450,20 @@ class Efficiency:
       kernel_eff: {(op, bits, dtype): fraction of the copy} from the kernels JSON ("quantize" in
         fp32 / bf16, "dequantize" in fp32), empty for the default.
       measured: {(row, size_bytes): (seconds, ranks, dtype)} from the allreduce --virtual JSON.
+      added: {(row, size_bytes, dtype): (added_to_next_matmul_s, ranks)} of the rows that have it
+        (`bench allreduce --next-matmul`).
       measured_hbm_gbps: datasheet HBM of the device the allreduce JSON was measured on.
       sources: the files used, for the output.
+      inputs: per input file ("kernels_json", "allreduce_json") its `input_record`.
     """
 
     copy_eff: float = DEFAULT_COPY_EFF
     kernel_eff: dict = dataclasses.field(default_factory=dict)
     measured: dict = dataclasses.field(default_factory=dict)
+    added: dict = dataclasses.field(default_factory=dict)
     measured_hbm_gbps: float | None = None
     sources: dict = dataclasses.field(default_factory=dict)
+    inputs: dict = dataclasses.field(default_factory=dict)
 
     def kernel(self, op: str, bits: int, dtype: str) -> float:
         """eta_kernel of a stage op ("quantize" / "dequantize"); the default when not measured."""
@@ -391,7 +483,8 @@ def load_efficiency(kernels_json: str | None = DEFAULT_KERNELS_JSON,
 
     Returns:
       An Efficiency: eta_copy = copy GB/s / datasheet HBM of its device and eta_kernel = % of copy
-      / 100 per op at the largest measured size; the measured per-row times of the virtual run.
+      / 100 per op at the largest measured size; the measured per-row times of the virtual run and
+      the added times of its rows that have added_to_next_matmul_s; the inputs' provenance.
     """
     eff = Efficiency()
     kern = _load_json(kernels_json)
@@ -410,13 +503,22 @@ def load_efficiency(kernels_json: str | None = DEFAULT_KERNELS_JSON,
                 eff.kernel_eff[(parts[0], int(parts[1][:-4]), r["dtype"])] = \
                     r["pct_of_copy"] / 100
         eff.sources["kernels_json"] = str(kernels_json)
+        eff.inputs["kernels_json"] = input_record(kernels_json, kern)
     ar = _load_json(allreduce_json)
     if ar and ar.get("rows"):
         eff.measured_hbm_gbps = _device_hbm(ar.get("device"))
         for r in ar["rows"]:
-            eff.measured[(r["row"], r["size_bytes"])] = (r["median_s"], r["ranks"],
-                                                         r.get("dtype", ar.get("dtype")))
+            dtype = r.get("dtype", ar.get("dtype"))
+            eff.measured[(r["row"], r["size_bytes"])] = (r["median_s"], r["ranks"], dtype)
+            if r.get("added_to_next_matmul_s") is not None:
+                eff.added[(r["row"], r["size_bytes"], dtype)] = (r["added_to_next_matmul_s"],
+                                                                 r["ranks"])
         eff.sources["allreduce_json"] = str(allreduce_json)
+        if eff.measured_hbm_gbps is None:
+            eff.sources["allreduce_json_hbm"] = (
+                f"device {ar.get('device')!r} not in DEVICE_HBM_GBPS: measured times are not "
+                "scaled by an HBM ratio")
+        eff.inputs["allreduce_json"] = input_record(allreduce_json, ar)
     return eff
 
 
@@ -454,31 +556,41 @@ def measured_hbm_gbps(eff: Efficiency, row: str, size_bytes: int, target_hbm_gbp
     return moved / t / 1e9 * scale
 
 
-def measured_compensator_gbps(eff: Efficiency, size_bytes: int, target_hbm_gbps: float,
-                              state_bytes: float = 4.0) -> float | None:
-    """GB/s at which the fused compensator's extra bytes moved in the virtual-rank run, scaled.
+def measured_comp_extra(eff: Efficiency, row: str, size_bytes: int, dtype: str,
+                        target_hbm_gbps: float, state_bytes: float = 4.0) -> dict:
+    """What a compensated row adds over p2p4 on the target, from measured added times.
+
+    D_m = A(measured row) - A(p2p4) at the measured size S_m nearest to S (log scale) among those
+    where both have added_to_next_matmul_s in `dtype`; D = max(D_m, 0) / P_v * S / S_m *
+    hbm_measured / hbm_target (see the module docstring).
 
     Args:
-      eff: the loaded Efficiency; size_bytes: the projected size (nearest measured size is used);
-      target_hbm_gbps: datasheet HBM of the projected machine; state_bytes: the measured run's
-      state bytes per value (fp32: 4).
+      eff: the loaded Efficiency; row: "comp-fused" or "comp-separate"; size_bytes: S per rank;
+      dtype: the projected dtype (the measurement must be in it); target_hbm_gbps: datasheet HBM
+      of the projected machine; state_bytes: 4 (fp32 state) or 2 (bf16 state).
 
     Returns:
-      compensator_extra_bytes * N_m * P_v / (T(p2p4-comp-fused) - T(p2p4)) * target / measured
-      device HBM, or None when either row is missing or the difference is not positive.
+      dict(measured_row, measured_size_bytes, measured_ranks, added_s, p2p4_added_s,
+      extra_measured_s (D_m), extra_s (D)); or dict(not_projected=reason) when the added time
+      was not measured.
     """
-    sizes = [s for (r, s) in eff.measured if r == "p2p4-comp-fused" and ("p2p4", s) in eff.measured]
+    measured_row = MEASURED_COMP_ROWS.get((row, float(state_bytes)))
+    if measured_row is None:
+        return {"not_projected": f"no measured row for {row} with a {state_bytes:g}-byte state"}
+    sizes = [s for (r, s, d) in eff.added
+             if r == measured_row and d == dtype and ("p2p4", s, dtype) in eff.added]
     if not sizes:
-        return None
+        where = eff.sources.get("allreduce_json", "no allreduce JSON")
+        return {"not_projected": f"no measured added time (added_to_next_matmul_s of p2p4 and "
+                                 f"{measured_row} in {dtype}; {where})"}
     s_m = min(sizes, key=lambda s: abs(math.log(s / size_bytes)))
-    t_c, P_v, dtype = eff.measured[("p2p4-comp-fused", s_m)]
-    t_p = eff.measured[("p2p4", s_m)][0]
-    if t_c <= t_p:
-        return None
-    e = DTYPE_BYTES.get(dtype, 4)
-    moved = s_m / e * compensator_extra_bytes(e, state_bytes) * P_v
-    scale = target_hbm_gbps / (eff.measured_hbm_gbps or target_hbm_gbps)
-    return moved / (t_c - t_p) / 1e9 * scale
+    added, P_v = eff.added[(measured_row, s_m, dtype)]
+    base = eff.added[("p2p4", s_m, dtype)][0]
+    d_m = added - base
+    scale = (eff.measured_hbm_gbps or target_hbm_gbps) / target_hbm_gbps
+    return {"measured_row": measured_row, "measured_size_bytes": s_m, "measured_ranks": P_v,
+            "added_s": added, "p2p4_added_s": base, "extra_measured_s": d_m,
+            "extra_s": max(d_m, 0.0) / P_v * size_bytes / s_m * scale}
 
 
 # --------------------------------------------------------------------------------------------
@@ -498,7 +610,9 @@ def project_one(link: Link, row: str, size_bytes: int, ranks: int, dtype: str,
     Returns:
       dict(row, size_bytes, ranks, dtype, link_s, hbm_s, overlapped_s, serial_s, hbm_source):
       overlapped == serial for psum and xla4, which do not overlap; psum's hbm_s is 0 (NCCL's
-      own memory traffic is assumed hidden behind its link time).
+      own memory traffic is not counted). A compensated row is p2p4's plus extra_s and the
+      fields of `measured_comp_extra`; without a measured added time its times are None and
+      not_projected says why.
     """
     e = DTYPE_BYTES[dtype]
     N = size_bytes / e
@@ -509,11 +623,21 @@ def project_one(link: Link, row: str, size_bytes: int, ranks: int, dtype: str,
         t = ring_allreduce_time(size_bytes, P, link.nccl_busbw_gbps, lat)
         return {**out, "link_s": t, "hbm_s": 0.0, "overlapped_s": t, "serial_s": t,
                 "hbm_source": "none"}
+    if row.startswith("comp-"):
+        # p2p4 plus the measured added time over p2p4, on the critical path in full.
+        extra = measured_comp_extra(eff, row, size_bytes, dtype, link.hbm_gbps, state_bytes)
+        if "not_projected" in extra:
+            return {**out, "link_s": None, "hbm_s": None, "overlapped_s": None, "serial_s": None,
+                    "hbm_source": None, **extra}
+        base = project_one(link, "p2p4", size_bytes, P, dtype, eff, group_size=group_size,
+                           policy=policy)
+        return {**base, **out, "overlapped_s": base["overlapped_s"] + extra["extra_s"],
+                "serial_s": base["serial_s"] + extra["extra_s"],
+                "p2p4_overlapped_s": base["overlapped_s"], **extra}
     copy_gbps = link.hbm_gbps * eff.copy_eff
     bits = 8 if row == "p2p8" else 4
     w = wire_bytes_per_element(bits, group_size, policy)
-    base_row = "p2p4" if row.startswith("comp-") else row
-    measured = measured_hbm_gbps(eff, base_row, size_bytes, link.hbm_gbps, group_size, policy)
+    measured = measured_hbm_gbps(eff, row, size_bytes, link.hbm_gbps, group_size, policy)
     if row == "xla4":
         L = (ring_allreduce_time(N * w, P, link.nccl_busbw_gbps, lat))  # all-to-all + all-gather
         if measured:
@@ -527,37 +651,19 @@ def project_one(link: Link, row: str, size_bytes: int, ranks: int, dtype: str,
                 "hbm_source": src}
     L = echo_link_time(N, P, w, link.link_gbps, link.p2p_eff)
     stages = p2p_stage_bytes(e, w, P)
-    tail_eff = eff.kernel("dequantize", bits, dtype)
     if measured:
         H, src = N * sum(stages.values()) / (measured * 1e9), "allreduce-json"
     else:
+        tail_eff = eff.kernel("dequantize", bits, dtype)
         stage_eff = {"push": eff.kernel("quantize", bits, dtype),
                      "reduce": (eff.kernel("quantize", bits, "float32") + tail_eff) / 2,
                      "tail": tail_eff}
         H = sum(N * b / (copy_gbps * stage_eff[s] * 1e9) for s, b in stages.items())
         src = "kernels-json" if eff.kernel_eff else "default"
     k, C = launch_plan(int(N), P, bits, group_size, policy)
-    extra = {}
-    if row.startswith("comp-"):
-        comp_gbps = measured_compensator_gbps(eff, size_bytes, link.hbm_gbps) if measured \
-            else None
-        comp_gbps = comp_gbps or copy_gbps * tail_eff
-        # The paper times only what the call adds to the critical path, with the update beside
-        # the next matrix multiplication: the entry reads of m1, m2 (2 s per value).
-        entry = N * 2 * state_bytes / (comp_gbps * 1e9)
-        if row == "comp-fused":
-            extra["entry_only_overlapped_s"] = pipelined_time(L, H + entry, k, C, lat)[
-                "overlapped"]
-            H += N * compensator_extra_bytes(e, state_bytes) / (comp_gbps * 1e9)
-        else:
-            # comp-separate: the entry reads in the call; the update's 2 e + 4 s a value run
-            # beside the next matmul, off the critical path (reported, assumed hidden).
-            H += entry
-            extra["update_beside_s"] = N * (2 * e + 4 * state_bytes) / (comp_gbps * 1e9)
     t = pipelined_time(L, H, k, C, lat)
     return {**out, "link_s": L, "hbm_s": H, "overlapped_s": t["overlapped"],
-            "serial_s": t["serial"], "hbm_source": src, "tiles_per_chunk": k, "chunks": C,
-            **extra}
+            "serial_s": t["serial"], "hbm_source": src, "tiles_per_chunk": k, "chunks": C}
 
 
 def project(links, sizes, ranks, dtypes, eff: Efficiency, *, group_size: int = 128,
@@ -569,11 +675,12 @@ def project(links, sizes, ranks, dtypes, eff: Efficiency, *, group_size: int = 1
       eff: HBM efficiencies; group_size, policy, state_bytes: as in project_one.
 
     Returns:
-      dict(benchmark="project", presets, rows, anchors, sources, ...): each row of project_one plus
-      speedup_vs_psum (overlapped) and serial_speedup_vs_psum, against psum of the same machine,
-      P, dtype and size.
+      dict(benchmark="project", presets, rows, anchors, sources, inputs, not_projected, ...):
+      each row of project_one plus speedup_vs_psum (overlapped) and serial_speedup_vs_psum,
+      against psum of the same machine, P, dtype and size (None for a row not projected);
+      not_projected lists once per row and dtype why a row was not projected.
     """
-    rows = []
+    rows, skipped = [], {}
     for link in links:
         for P in ranks:
             for dtype in dtypes:
@@ -584,8 +691,12 @@ def project(links, sizes, ranks, dtypes, eff: Efficiency, *, group_size: int = 1
                                         policy=policy, state_bytes=state_bytes)
                         r["preset"] = link.name
                         psum = psum or r["overlapped_s"]
-                        r["speedup_vs_psum"] = psum / r["overlapped_s"]
-                        r["serial_speedup_vs_psum"] = psum / r["serial_s"]
+                        if r["overlapped_s"] is None:
+                            r["speedup_vs_psum"] = r["serial_speedup_vs_psum"] = None
+                            skipped.setdefault((row, dtype), r["not_projected"])
+                        else:
+                            r["speedup_vs_psum"] = psum / r["overlapped_s"]
+                            r["serial_speedup_vs_psum"] = psum / r["serial_s"]
                         rows.append(r)
     return {
         "benchmark": "project",
@@ -595,6 +706,9 @@ def project(links, sizes, ranks, dtypes, eff: Efficiency, *, group_size: int = 1
         "copy_eff": eff.copy_eff,
         "kernel_eff": {f"{op} {b}-bit {d}": v for (op, b, d), v in eff.kernel_eff.items()},
         "sources": eff.sources,
+        "inputs": eff.inputs,
+        "not_projected": [{"row": row, "dtype": dtype, "reason": why}
+                          for (row, dtype), why in skipped.items()],
         "ideal_byte_ratio_4bit_vs_16bit": ideal_byte_ratio(4, group_size, policy),
         "paper_a100_p4_1gb": PAPER_A100_P4_1GB,
         "rows": rows,
@@ -605,6 +719,12 @@ def project(links, sizes, ranks, dtypes, eff: Efficiency, *, group_size: int = 1
 # Output
 
 
+def _cell(r: dict) -> str:
+    if r["overlapped_s"] is None:
+        return "not projected"
+    return f"{r['overlapped_s'] * 1e3:.3f} ({r['speedup_vs_psum']:.2f}x)"
+
+
 def format_table(result: dict) -> str:
     """Text table: per machine, P, dtype and size, projected ms (overlapped) and speedup vs psum.
 
@@ -612,7 +732,8 @@ def format_table(result: dict) -> str:
       result: the dict of `project`.
 
     Returns:
-      The table, with the serial (no-overlap) speedup of p2p4 and the paper's A100 anchors.
+      The table, with the serial (no-overlap) speedup of p2p4, the paper's A100 anchors, the rows
+      not projected and why, and the inputs.
     """
     lines = []
     by_key = {}
@@ -623,8 +744,7 @@ def format_table(result: dict) -> str:
     lines += ["PROJECTION (link model + single-GPU measurements; not a measurement)", head,
               "|" + "---|" * (head.count("|") - 1)]
     for (preset, P, dtype, size), rr in by_key.items():
-        cells = [f"{rr[row]['overlapped_s'] * 1e3:.3f} ({rr[row]['speedup_vs_psum']:.2f}x)"
-                 for row in ROWS[1:]]
+        cells = [_cell(rr[row]) for row in ROWS[1:]]
         ser = rr["p2p4"]
         lines.append(f"| {preset} | {P} | {dtype} | {format_size(size)} | "
                      f"{rr['psum']['overlapped_s'] * 1e3:.3f} | " + " | ".join(cells) +
@@ -637,17 +757,26 @@ def format_table(result: dict) -> str:
                  f" p2p4 {a['p2p4']:.2f}x, comp-fused {a['comp-fused']:.2f}x, "
                  f"p2p8 {a['p2p8']:.2f}x")
     if mine:
+        def x(row):
+            v = mine[row]["speedup_vs_psum"]
+            return "not projected" if v is None else f"{v:.2f}x"
         lines.append(f"this projection, a100-nvlink3, P=4, 1GB bfloat16:        NCCL "
-                     f"{mine['psum']['overlapped_s'] * 1e3:.2f} ms; p2p4 "
-                     f"{mine['p2p4']['speedup_vs_psum']:.2f}x, comp-fused "
-                     f"{mine['comp-fused']['speedup_vs_psum']:.2f}x, p2p8 "
-                     f"{mine['p2p8']['speedup_vs_psum']:.2f}x; comp-separate (the update beside "
-                     f"the next matmul, the paper's timing) "
-                     f"{mine['comp-separate']['speedup_vs_psum']:.2f}x")
-    src = sorted({r["hbm_source"] for r in result["rows"] if r["row"] != "psum"})
+                     f"{mine['psum']['overlapped_s'] * 1e3:.2f} ms; p2p4 {x('p2p4')}, "
+                     f"comp-fused {x('comp-fused')}, p2p8 {x('p2p8')}; comp-separate "
+                     f"{x('comp-separate')}")
+    lines.append("compensated rows: p2p4 plus the measured added time over p2p4 "
+                 "(bench allreduce --next-matmul), on the critical path in full")
+    for item in result.get("not_projected", []):
+        lines.append(f"not projected: {item['row']} ({item['dtype']}): {item['reason']}")
+    src = sorted({r["hbm_source"] for r in result["rows"]
+                  if r["row"] != "psum" and r["hbm_source"]})
     lines.append(f"HBM time from: {', '.join(src)} ({result['sources'] or 'no JSON'}); "
                  f"ideal 4-bit byte ratio vs 16-bit: "
                  f"{result['ideal_byte_ratio_4bit_vs_16bit']:.2f}x")
+    for name, rec in result.get("inputs", {}).items():
+        if rec:
+            lines.append(f"input {name}: {rec['path']} (device {rec['device']}, commit "
+                         f"{rec['commit']}, command {rec['command']})")
     return "\n".join(lines)
 
 
@@ -668,13 +797,12 @@ def plot(result: dict, path: str) -> None:
             for dtype, style in (("float32", "-"), ("bfloat16", "--")):
                 pts = sorted((r["size_bytes"], r["speedup_vs_psum"]) for r in result["rows"]
                              if (r["preset"], r["ranks"], r["row"], r["dtype"]) ==
-                             (preset, P, row, dtype))
+                             (preset, P, row, dtype) and r["speedup_vs_psum"] is not None)
                 if pts:
                     xs, ys = zip(*pts)
                     ax.plot([x / 2**20 for x in xs], ys, style, marker="o", label=f"{row} {dtype}")
         if preset == "a100-nvlink3" and P == 4:
             for key, marker in (("p2p4", "*"), ("comp-fused", "P"), ("p2p8", "X")):
-                # The paper's fused row is timed as comp-separate is projected.
                 ax.plot([1024], [result["paper_a100_p4_1gb"][key]], marker, color="k",
                         label=f"paper {key} (A100)")
         ax.axhline(1.0, color="gray", lw=0.8)
@@ -746,8 +874,9 @@ def add_arguments(p) -> None:
     p.add_argument("--p2p-eff", type=wrap(positive), default=None,
                    help="fraction of the link bandwidth Echo's peer stores reach (default: the "
                         "preset's)")
-    p.add_argument("--state-bytes", type=wrap(positive), default=4.0,
-                   help="compensator state bytes per value: 4 (fp32, default) or 2 (bf16)")
+    p.add_argument("--state-bytes", type=float, choices=(4.0, 2.0), default=4.0,
+                   help="compensator state bytes per value: 4 (fp32, default) or 2 (bf16); picks "
+                        "the measured compensated rows (MEASURED_COMP_ROWS)")
     p.add_argument("--group-size", type=int, default=128, help="g (default: %(default)s)")
     p.add_argument("--policy", choices=policies.NAMES, default="asym",
                    help="quantizer policy, sets the per-group parameter bytes (default: asym)")
@@ -756,7 +885,8 @@ def add_arguments(p) -> None:
                         "(default: %(default)s when present)")
     p.add_argument("--allreduce-json", default=DEFAULT_ALLREDUCE_JSON,
                    help="`bench allreduce --virtual` JSON for the measured single-GPU time, or "
-                        "none (default: %(default)s when present)")
+                        "none (default: %(default)s when present); the compensated rows are "
+                        "projected only from its added_to_next_matmul_s (--next-matmul)")
     p.add_argument("--json", metavar="OUT", default=None, help="write the projection to this file")
     p.add_argument("--png", metavar="OUT", default=None, help="plot the speedups to this file")
 
@@ -782,12 +912,14 @@ def run(args) -> dict:
       args: parsed flags (add_arguments).
 
     Returns:
-      The result dict of `project`.
+      The result dict of `project`, led by the command and commit of this run
+      (`provenance(args.argv)`; args.argv: the arguments after the program name, when known).
     """
     eff = load_efficiency(args.kernels_json, args.allreduce_json)
-    result = project(links_from_args(args), args.sizes, args.ranks, args.dtypes, eff,
-                     group_size=args.group_size, policy=args.policy,
-                     state_bytes=args.state_bytes)
+    result = {**provenance(getattr(args, "argv", None)),
+              **project(links_from_args(args), args.sizes, args.ranks, args.dtypes, eff,
+                        group_size=args.group_size, policy=args.policy,
+                        state_bytes=args.state_bytes)}
     print(format_table(result))
     if args.json:
         write_json(args.json, result)

@@ -85,6 +85,10 @@ def test_allreduce_all_rows_json_and_png(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["machine"] == "cpu4" and result["ranks"] == 4
     assert "fori_loop" in result["timing"]
+    # The run records its command and the commit of its code (None outside a git checkout).
+    assert result["command"] == ("python -m echo_jax_tools.bench allreduce --sizes 64KB --ranks 4 "
+                                 f"--gate --json {out} --png {png} " + " ".join(QUICK))
+    assert result["commit"] is None or re.fullmatch(r"[0-9a-f]{7,}(-dirty)?", result["commit"])
     expected = list(bench.ROWS) if "cpu" in cpu.available_platforms() else \
         ["psum", "xla8", "xla4"]
     assert [r["row"] for r in result["rows"]] == expected

@@ -125,21 +125,177 @@ def test_project_default_model_by_hand():
     assert r["link_s"] == pytest.approx(L) and r["hbm_s"] == pytest.approx(H)
     assert r["serial_s"] == pytest.approx(L + H)
     assert r["overlapped_s"] == pytest.approx(max(L, H) + min(L, H) / r["tiles_per_chunk"])
-    c = pj.project_one(link, "comp-fused", 256 * MiB, 4, "float32", eff)
-    assert c["hbm_s"] - r["hbm_s"] == pytest.approx(N * 28 / bw)
-    c2 = pj.project_one(link, "comp-fused", 256 * MiB, 4, "float32", eff, state_bytes=2.0)
-    assert c2["hbm_s"] - r["hbm_s"] == pytest.approx(N * 16 / bw)
-    # comp-separate: only the entry reads (2 s) on the critical path; the update's 2 e + 4 s
-    # reported beside it.
-    sep = pj.project_one(link, "comp-separate", 256 * MiB, 4, "float32", eff)
-    assert sep["hbm_s"] - r["hbm_s"] == pytest.approx(N * 8 / bw)
-    assert sep["update_beside_s"] == pytest.approx(N * 24 / bw)
-    assert sep["overlapped_s"] == pytest.approx(c["entry_only_overlapped_s"])
+    # No measured added time: the compensated rows are not projected from a byte count.
+    for row in ("comp-fused", "comp-separate"):
+        c = pj.project_one(link, row, 256 * MiB, 4, "float32", eff)
+        assert c["overlapped_s"] is None and c["serial_s"] is None
+        assert c["not_projected"].startswith("no measured added time")
     psum = pj.project_one(link, "psum", 256 * MiB, 4, "float32", eff)
     assert psum["overlapped_s"] == pytest.approx(1.5 * 256 * MiB / 80e9)
     x = pj.project_one(link, "xla4", 256 * MiB, 4, "float32", eff)
     assert x["overlapped_s"] == x["serial_s"] == pytest.approx(
         1.5 * N * 0.53125 / 80e9 + N * pj.xla_bytes(4, 0.53125, 4) / bw)
+
+
+# A hand-made `bench allreduce --virtual --ranks 4 --dtype bfloat16 --next-matmul` JSON: one H100
+# (3350 GB/s HBM), 64 MB and 256 MB a rank; p2p4-comp-separate has no added time at 256 MB.
+HAND_COMMAND = "python -m echo_jax_tools.bench allreduce --virtual --next-matmul 4096 (by hand)"
+
+
+def _hand_row(row, size, median, added=None, dtype="bfloat16"):
+    r = dict(row=row, size_bytes=size, ranks=4, dtype=dtype, median_s=median)
+    if added is not None:
+        r.update(next_matmul_dim=4096, next_matmul_s=2e-3, with_next_matmul_s=2e-3 + added,
+                 added_to_next_matmul_s=added)
+    return r
+
+
+def _hand_json(tmp_path, rows=None):
+    rows = rows or [
+        _hand_row("psum", 256 * MiB, 1.0e-3, 1.2e-3),
+        _hand_row("p2p4", 64 * MiB, 0.40e-3, 0.45e-3),
+        _hand_row("p2p4", 256 * MiB, 1.6e-3, 1.5e-3),
+        _hand_row("p2p4-comp-fused", 64 * MiB, 1.2e-3, 1.30e-3),
+        _hand_row("p2p4-comp-fused", 256 * MiB, 5.0e-3, 5.5e-3),
+        _hand_row("p2p4-comp-separate", 64 * MiB, 4.0e-3, 3.9e-3),
+        _hand_row("p2p4-comp-separate", 256 * MiB, 16.0e-3),
+    ]
+    path = tmp_path / "ar_hand.json"
+    path.write_text(json.dumps({"benchmark": "allreduce", "command": HAND_COMMAND,
+                                "commit": "abc1234", "device": "NVIDIA H100 80GB HBM3",
+                                "ranks": 4, "dtype": "bfloat16", "rows": rows}))
+    return path
+
+
+HAND_LINK = pj.Link("t", link_gbps=300.0, latency_us=0.0, hbm_gbps=2000.0, nccl_busbw_gbps=180.0,
+                    p2p_eff=0.8, device="none")
+
+
+def test_compensated_row_is_p2p4_plus_the_measured_added_time(tmp_path):
+    eff = pj.load_efficiency(None, str(_hand_json(tmp_path)))
+    res = pj.project([HAND_LINK], [GiB], [4], ["bfloat16"], eff)
+    rows = {r["row"]: r for r in res["rows"]}
+    # p2p4 at 1 GiB of bf16, P = 4, by hand: N = 2^29 values; link 1.5 N w / (0.8 * 300 GB/s);
+    # HBM from the nearest measured size (256 MB): the measured 1.6 ms moved 4 ranks' bytes, so
+    # one rank of 4x the values takes 1.6 ms / 4 * 4, times the HBM ratio 3350 / 2000; tiles
+    # of the launch plan at 1 GiB bf16, P = 4: 3855 a chunk.
+    N = 2**29
+    L = 1.5 * N * 0.53125 / (0.8 * 300e9)
+    H = 1.6e-3 / 4 * 4 * 3350 / 2000
+    p2p4 = max(L, H) + min(L, H) / 3855
+    assert rows["p2p4"]["overlapped_s"] == pytest.approx(p2p4, rel=1e-9)
+    # comp-fused: p2p4 plus (5.5 - 1.5) ms, the measured added time over p2p4's at 256 MB,
+    # per virtual rank (/ 4), for 4x the values, at the HBM ratio; overlapping nothing.
+    extra = (5.5e-3 - 1.5e-3) / 4 * 4 * 3350 / 2000
+    fused = rows["comp-fused"]
+    assert fused["extra_s"] == pytest.approx(extra, rel=1e-9)
+    assert fused["overlapped_s"] == pytest.approx(p2p4 + extra, rel=1e-9)
+    assert fused["serial_s"] == pytest.approx(L + H + extra, rel=1e-9)
+    psum = 1.5 * GiB / 180e9
+    assert fused["speedup_vs_psum"] == pytest.approx(psum / (p2p4 + extra), rel=1e-9)
+    assert fused["measured_row"] == "p2p4-comp-fused" and fused["measured_size_bytes"] == 256 * MiB
+    assert fused["added_s"] == 5.5e-3 and fused["p2p4_added_s"] == 1.5e-3
+    # At 64 MB the nearest measured size is 64 MB; the extra scales with the values.
+    res64 = pj.project([HAND_LINK], [64 * MiB], [4], ["bfloat16"], eff)
+    f64 = next(r for r in res64["rows"] if r["row"] == "comp-fused")
+    assert f64["extra_s"] == pytest.approx((1.30e-3 - 0.45e-3) / 4 * 3350 / 2000, rel=1e-9)
+    # P does not change the extra (the compensator's work a rank does not depend on P).
+    res8 = pj.project([HAND_LINK], [GiB], [8], ["bfloat16"], eff)
+    f8 = next(r for r in res8["rows"] if r["row"] == "comp-fused")
+    assert f8["extra_s"] == pytest.approx(extra, rel=1e-9)
+
+
+def test_a_row_without_measured_added_time_is_not_projected(tmp_path, capsys):
+    path = _hand_json(tmp_path)
+    eff = pj.load_efficiency(None, str(path))
+    res = pj.project([HAND_LINK], [GiB], [4], ["bfloat16", "float32"], eff)
+    rows = {(r["row"], r["dtype"]): r for r in res["rows"]}
+    # comp-separate has an added time at 64 MB only: 1 GiB's nearest size with one is 64 MB.
+    sep = rows[("comp-separate", "bfloat16")]
+    assert sep["measured_size_bytes"] == 64 * MiB
+    assert sep["extra_s"] == pytest.approx((3.9e-3 - 0.45e-3) / 4 * 16 * 3350 / 2000, rel=1e-9)
+    # Nothing was measured in float32: neither compensated row is projected there.
+    for row in ("comp-fused", "comp-separate"):
+        r = rows[(row, "float32")]
+        assert r["overlapped_s"] is None and r["speedup_vs_psum"] is None
+        assert "no measured added time" in r["not_projected"]
+    assert {(i["row"], i["dtype"]) for i in res["not_projected"]} == {
+        ("comp-fused", "float32"), ("comp-separate", "float32")}
+    # Without any added time for the separate row, it is not projected at any size.
+    rows_wo = [_hand_row("p2p4", 256 * MiB, 1.6e-3, 1.5e-3),
+               _hand_row("p2p4-comp-fused", 256 * MiB, 5.0e-3, 5.5e-3),
+               _hand_row("p2p4-comp-separate", 256 * MiB, 16.0e-3)]
+    eff2 = pj.load_efficiency(None, str(_hand_json(tmp_path, rows_wo)))
+    res2 = pj.project([HAND_LINK], [64 * MiB, GiB], [4], ["bfloat16"], eff2)
+    for r in res2["rows"]:
+        if r["row"] == "comp-separate":
+            assert r["overlapped_s"] is None and "no measured added time" in r["not_projected"]
+        else:
+            assert r["overlapped_s"] > 0
+    text = pj.format_table(res2)
+    assert "not projected: comp-separate (bfloat16): no measured added time" in text
+    line = next(x for x in text.splitlines() if x.startswith("| t | 4 | bfloat16 | 1GB"))
+    assert line.count("not projected") == 1
+    # Without p2p4's added time no compensated row is projected (its extra is over p2p4's).
+    rows_np = [_hand_row("p2p4", 256 * MiB, 1.6e-3),
+               _hand_row("p2p4-comp-fused", 256 * MiB, 5.0e-3, 5.5e-3)]
+    eff3 = pj.load_efficiency(None, str(_hand_json(tmp_path, rows_np)))
+    r3 = pj.project_one(HAND_LINK, "comp-fused", GiB, 4, "bfloat16", eff3)
+    assert r3["overlapped_s"] is None
+    # A bf16 state picks its own measured row, here absent.
+    r4 = pj.project_one(HAND_LINK, "comp-fused", GiB, 4, "bfloat16", eff, state_bytes=2.0)
+    assert r4["overlapped_s"] is None and "p2p4-comp-fused-bf16state" in r4["not_projected"]
+
+
+def test_nothing_in_the_output_is_assumed_hidden(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for ar in (str(_hand_json(tmp_path)), ALLREDUCE, "none"):
+        out = tmp_path / "p.json"
+        assert bench.main(["project", "--allreduce-json", ar, "--json", str(out)]) == 0
+        text = capsys.readouterr().out + out.read_text()
+        assert "assumed hidden" not in text.lower() and "update_beside" not in text
+        assert "hidden" not in text.lower()
+
+
+def test_results_json_records_its_inputs(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = _hand_json(tmp_path)
+    out = tmp_path / "p.json"
+    argv = ["project", "--preset", "a100-nvlink3", "--ranks", "4", "--sizes", "1GB",
+            "--dtypes", "bfloat16", "--allreduce-json", str(path), "--json", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())
+    # The projection's own command and commit, and its inputs' fields as the files have them.
+    assert res["command"] == "python -m echo_jax_tools.bench " + " ".join(argv)
+    assert "commit" in res
+    assert res["inputs"]["allreduce_json"] == {
+        "path": str(path), "command": HAND_COMMAND, "commit": "abc1234",
+        "device": "NVIDIA H100 80GB HBM3"}
+    with open(KERNELS) as f:
+        kern = json.load(f)
+    assert res["inputs"]["kernels_json"] == {
+        "path": pj.DEFAULT_KERNELS_JSON, "command": kern.get("command"),
+        "commit": kern.get("commit"), "device": kern["device"]}
+    text = capsys.readouterr().out
+    assert f"input allreduce_json: {path} (device NVIDIA H100 80GB HBM3, commit abc1234" in text
+    # The stored virtual-rank JSON: its device as it is, no command or commit in the file.
+    assert bench.main(["project", "--allreduce-json", pj.DEFAULT_ALLREDUCE_JSON,
+                       "--kernels-json", "none", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["inputs"] == {"allreduce_json": {
+        "path": pj.DEFAULT_ALLREDUCE_JSON, "command": None, "commit": None,
+        "device": "NVIDIA H200"}}
+
+
+def test_device_hbm_table():
+    assert pj._device_hbm("NVIDIA H200") == 4800
+    assert pj._device_hbm("NVIDIA H100 80GB HBM3") == 3350
+    assert pj._device_hbm("NVIDIA H100 PCIe") == 2000
+    assert pj._device_hbm("NVIDIA A100-SXM4-80GB") == 2039
+    assert pj._device_hbm("NVIDIA A100-SXM4-40GB") == 1555
+    assert pj._device_hbm("Tesla V100") is None
+    eff = pj.load_efficiency(None, ALLREDUCE)
+    assert eff.measured_hbm_gbps == 4800 and "allreduce_json_hbm" not in eff.sources
 
 
 def test_project_shape_and_monotonicity():
@@ -149,6 +305,10 @@ def test_project_shape_and_monotonicity():
     rows = _rows(res)
     assert len(res["rows"]) == 2 * 2 * 2 * 3 * len(pj.ROWS)
     for (preset, P, dtype, size, row), r in rows.items():
+        if row.startswith("comp-"):
+            # The stored JSON has no added_to_next_matmul_s: not projected.
+            assert r["overlapped_s"] is None and r["speedup_vs_psum"] is None
+            continue
         assert r["overlapped_s"] > 0 and r["overlapped_s"] <= r["serial_s"] + 1e-15
         if row == "psum":
             assert r["speedup_vs_psum"] == 1.0
@@ -156,13 +316,6 @@ def test_project_shape_and_monotonicity():
         bigger = rows.get((preset, P, dtype, size * 4, row))
         if bigger:
             assert bigger["overlapped_s"] > r["overlapped_s"]
-        # The compensator only adds time; 8 bits never beat 4 bits at the same HBM efficiency.
-        if row == "comp-fused":
-            assert r["overlapped_s"] > rows[(preset, P, dtype, size, "p2p4")]["overlapped_s"]
-            assert r["entry_only_overlapped_s"] < r["overlapped_s"]
-        if row == "comp-separate":
-            assert (rows[(preset, P, dtype, size, "p2p4")]["overlapped_s"] < r["overlapped_s"]
-                    < rows[(preset, P, dtype, size, "comp-fused")]["overlapped_s"])
     for preset in pj.PRESETS:
         for dtype in ("float32", "bfloat16"):
             # P = 8 vs P = 4: the ring's 2(P-1)/P grows from 1.5 to 1.75, and so does Echo's link
@@ -241,7 +394,9 @@ def test_cli_writes_json_from_stored_results(tmp_path, capsys, monkeypatch):
     assert res["benchmark"] == "project" and "not a measurement" in res["note"]
     assert res["sources"]["allreduce_json"].endswith("bench_allreduce_h200x1-virtual4.json")
     assert len(res["rows"]) == 2 * 2 * 2 * 3 * len(pj.ROWS)
-    assert {r["hbm_source"] for r in res["rows"] if r["row"] != "psum"} == {"allreduce-json"}
+    assert {r["hbm_source"] for r in res["rows"]
+            if r["row"] != "psum" and not r["row"].startswith("comp-")} == {"allreduce-json"}
+    assert len(res["not_projected"]) == 4  # comp-fused, comp-separate x fp32, bf16
     assert png.exists() and png.stat().st_size > 0
     assert not [p for p in os.listdir(out.parent) if p.endswith(".tmp")]
     # Overrides reach the model: doubling the link bandwidth halves psum's bandwidth term.
