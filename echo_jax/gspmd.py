@@ -306,6 +306,32 @@ def _state_in(state, where):
     return state
 
 
+#: How to make a site's state with `state_for`, per site (the call a message shows).
+_STATE_CALL = {
+    "row": "echo_jax.gspmd.state_for(x.shape[:-1] + (w.shape[-1],), axis={axis!r}, "
+           "config=config)  # shaped like y",
+    "column": "echo_jax.gspmd.state_for(x.shape, axis={axis!r}, config=config)  # shaped like x",
+}
+
+
+def _check_state_shape(state, value_shape, p, kind, axis, where):
+    """A ValueError naming `state_for` and the right call unless the state is [P, *value]."""
+    want = (p,) + tuple(value_shape)
+    value = "y" if kind == "row" else "x"
+    for name in ("m1", "m2"):
+        moment = getattr(state, name)
+        have = tuple(jnp.shape(getattr(moment, "codes", moment)))
+        if have == want:
+            continue
+        per_rank = (" (a per-rank state, as echo_jax.init_state makes for shard_map code)"
+                    if len(have) == len(want) - 1 else "")
+        raise ValueError(
+            f"{where}: the state's {name} is shaped {have}{per_rank}, but this site's state is "
+            f"global: [P, *{value}.shape] = {want}, P = {p} the size of {axis!r}, {value} the "
+            f"value this site reduces. Make it with echo_jax.gspmd.state_for: state = "
+            + _STATE_CALL[kind].format(axis=axis))
+
+
 #: What to call instead where `axis` is already manual (the message of each site's error).
 _MANUAL_HINT = {
     "row": "echo_jax.tp.forward_site / echo_psum on the partial sum",
@@ -343,6 +369,10 @@ def _site_matmul(where, kind, body, x, w, *, axis, config, state, mesh, choice, 
                          precision, preferred_element_type)
     _check_divisible("x", jnp.shape(x), xe, mesh, where)
     _check_divisible("w", jnp.shape(w), we, mesh, where)
+    if state is not None:
+        value_shape = jnp.shape(x)[:-1] + (jnp.shape(w)[-1],) if kind == "row" else jnp.shape(x)
+        p = dict(zip(mesh.axis_names, mesh.axis_sizes))[axis]
+        _check_state_shape(state, value_shape, p, kind, axis, where)
     # y: replicated over `axis` (row) or sharded over it on its last dim (column); the state is
     # shaped like the reduced value: y (row), x (column).
     ye = xe[:-1] + (((),) if kind == "row" else ((axis,),))
