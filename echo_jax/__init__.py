@@ -42,6 +42,7 @@ _EXPORTS = {
     "column_parallel_matmul": "echo_jax.gspmd",
     "state_for": "echo_jax.gspmd",
     "EchoShardingWarning": "echo_jax.partial_manual",
+    "EchoMeshWarning": "echo_jax.gspmd",
     "EchoFallbackWarning": "echo_jax.transports",
 }
 
@@ -50,7 +51,8 @@ __all__ = [
     "segment_layout", "quantize_groups", "dequantize_groups", "quantize_dequantize",
     "hadamard_rotate", "hadamard_unrotate", "hadamard_signs", "parse_site_config",
     "site_config_label", "site_wire_bits", "choose_site_configs", "row_parallel_matmul",
-    "column_parallel_matmul", "state_for", "EchoShardingWarning", "EchoFallbackWarning",
+    "column_parallel_matmul", "state_for", "EchoShardingWarning", "EchoMeshWarning",
+    "EchoFallbackWarning",
 ]
 
 

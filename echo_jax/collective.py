@@ -72,6 +72,7 @@ also the reference of the "p2p" custom call.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -585,7 +586,18 @@ def _applied_allreduce_f32_jvp(axis, num_ranks, plan, primals, tangents):
     return y, lax.psum(t, axis).astype(y.dtype)
 
 
-def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
+class _DefaultConfig:
+    """The default of `echo_psum`'s `config`: the default `EchoConfig()` (4 bits), told apart
+    from an explicit `config=None` (which is to mean the exact `lax.psum`)."""
+
+    def __repr__(self):
+        return "EchoConfig()"
+
+
+_DEFAULT_CONFIG = _DefaultConfig()
+
+
+def echo_psum(x, axis_name, *, config: EchoConfig | None = _DEFAULT_CONFIG, state=None,
               rescale: bool | str = "auto", axis_index_groups=None, return_state=None):
     """Sum `x` over the mesh or vmap axes `axis_name` with the Echo 4/8-bit all-reduce.
 
@@ -612,7 +624,12 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
         their product group, ranks in `lax.axis_index(axis_name)` order (first name major).
         Other mesh axes are left alone. A tuple of several names runs the "xla" transport (the
         custom call reduces over one mesh axis: "auto" picks "xla", "p2p" raises).
-      config: an `EchoConfig` (default: 4 bits, g = 128, zero-aware asym, transport "auto").
+      config: an `EchoConfig`. Left out: the default `EchoConfig()` (4 bits, g = 128,
+        zero-aware asym, transport "auto"), so `echo_psum(x, axis)` is Echo where
+        `lax.psum(x, axis)` was. An explicit `config=None` still runs `EchoConfig()` but warns
+        (`FutureWarning`): it is to mean the exact `lax.psum`, as `config=None` means in
+        `echo_jax.tp`, the `echo_jax.gspmd` helpers and the Flax layers; pass
+        `config=EchoConfig()` (or leave it out) for 4-bit Echo.
       state: None (uncompensated), or a `CompensatorState` (a pytree of them mirroring x, with
         None at the leaves that take none: bool / integer leaves always, any float leaf to
         leave it uncompensated) from `init_state(x)` or from the previous site.
@@ -659,8 +676,19 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = None, state=None,
         which is also a ValueError), naming the axis and the fix.
       ValueError: an integer axis name, an unsupported dtype or sharding type, a state that
         does not fit x, axis_index_groups, or transport "p2p" where it cannot run.
+
+    Warns:
+      FutureWarning: an explicit `config=None` (see `config`).
     """
-    config = EchoConfig() if config is None else config
+    if config is None:
+        warnings.warn(
+            "echo_psum: config=None runs the default EchoConfig() (4-bit Echo) for now, but is "
+            "to mean the exact lax.psum, as config=None means in echo_jax.tp, the "
+            "echo_jax.gspmd helpers and the Flax layers. Pass config=echo_jax.EchoConfig() (or "
+            "leave config out) for 4-bit Echo, or call lax.psum for the exact sum.",
+            FutureWarning, stacklevel=2)
+    if config is None or config is _DEFAULT_CONFIG:
+        config = EchoConfig()
     if not isinstance(config, EchoConfig):
         raise ValueError(f"echo_psum: config must be an EchoConfig, got {type(config).__name__}")
     if axis_index_groups is not None:

@@ -69,6 +69,40 @@ from echo_jax.partial_manual import check as check_partial_manual
 # meshes and specs
 
 
+class EchoMeshWarning(EchoShardingWarning):
+    """A tensor-parallel site whose weight lives on a mesh runs without Echo because no mesh is
+    set where it is traced: a `jax.jit` / `nnx.jit` step called outside `with
+    jax.set_mesh(mesh):` (jit does not hand the arguments' mesh to the program), so the site is
+    the plain contraction and XLA all-reduces it itself. The message names the fix. A subclass
+    of `EchoShardingWarning`, so that a filter on either turns it into an error."""
+
+
+def type_mesh(a):
+    """The mesh an array's type names, or None: a concrete array's `NamedSharding` mesh, or,
+    for a value traced by `jax.jit`, the mesh of the argument it came from (its type keeps the
+    mesh even where no mesh is set; an Auto axis's entries of the spec are dropped)."""
+    try:
+        sharding = jax.typeof(a).sharding
+    except (TypeError, AttributeError):
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+        return None
+    return mesh
+
+
+def mesh_hint(axis, *arrays) -> str:
+    """The fix where no mesh is set but an operand's type names one with `axis` (else "")."""
+    for a in arrays:
+        mesh = type_mesh(a)
+        if mesh is not None and axis in mesh.axis_names:
+            sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+            return (f"the operands live on a mesh {sizes}, but no mesh is set where this runs "
+                    "(jax.jit and nnx.jit do not hand the arguments' mesh to the program): call "
+                    "the step under `with jax.set_mesh(mesh):` with that mesh")
+    return ""
+
+
 def _resolve_mesh(mesh, *arrays, where):
     """The mesh to shard over: `mesh`, else the one of `jax.set_mesh`, else a concrete operand's."""
     if mesh is not None:
@@ -84,8 +118,16 @@ def _resolve_mesh(mesh, *arrays, where):
         if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) \
                 and isinstance(sharding, NamedSharding):
             return sharding.mesh
-    raise ValueError(f"{where}: no mesh: pass mesh=..., or call it under jax.set_mesh(mesh) "
-                     "(or with operands that carry a NamedSharding)")
+    for a in arrays:
+        mesh = type_mesh(a)
+        if mesh is not None:
+            sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+            raise ValueError(
+                f"{where}: no mesh is set: the operands live on a mesh {sizes}, but jax.jit "
+                "(and nnx.jit) do not hand the arguments' mesh to the program. Call the step "
+                "under `with jax.set_mesh(mesh):` with that mesh (or pass mesh=...)")
+    raise ValueError(f"{where}: no mesh: call it under `with jax.set_mesh(mesh):`, or pass "
+                     "mesh=... (or, outside jit, operands that carry a NamedSharding)")
 
 
 def _entries(spec, ndim: int) -> tuple:
@@ -264,6 +306,32 @@ def _state_in(state, where):
     return state
 
 
+#: How to make a site's state with `state_for`, per site (the call a message shows).
+_STATE_CALL = {
+    "row": "echo_jax.gspmd.state_for(x.shape[:-1] + (w.shape[-1],), axis={axis!r}, "
+           "config=config)  # shaped like y",
+    "column": "echo_jax.gspmd.state_for(x.shape, axis={axis!r}, config=config)  # shaped like x",
+}
+
+
+def _check_state_shape(state, value_shape, p, kind, axis, where):
+    """A ValueError naming `state_for` and the right call unless the state is [P, *value]."""
+    want = (p,) + tuple(value_shape)
+    value = "y" if kind == "row" else "x"
+    for name in ("m1", "m2"):
+        moment = getattr(state, name)
+        have = tuple(jnp.shape(getattr(moment, "codes", moment)))
+        if have == want:
+            continue
+        per_rank = (" (a per-rank state, as echo_jax.init_state makes for shard_map code)"
+                    if len(have) == len(want) - 1 else "")
+        raise ValueError(
+            f"{where}: the state's {name} is shaped {have}{per_rank}, but this site's state is "
+            f"global: [P, *{value}.shape] = {want}, P = {p} the size of {axis!r}, {value} the "
+            f"value this site reduces. Make it with echo_jax.gspmd.state_for: state = "
+            + _STATE_CALL[kind].format(axis=axis))
+
+
 #: What to call instead where `axis` is already manual (the message of each site's error).
 _MANUAL_HINT = {
     "row": "echo_jax.tp.forward_site / echo_psum on the partial sum",
@@ -301,6 +369,10 @@ def _site_matmul(where, kind, body, x, w, *, axis, config, state, mesh, choice, 
                          precision, preferred_element_type)
     _check_divisible("x", jnp.shape(x), xe, mesh, where)
     _check_divisible("w", jnp.shape(w), we, mesh, where)
+    if state is not None:
+        value_shape = jnp.shape(x)[:-1] + (jnp.shape(w)[-1],) if kind == "row" else jnp.shape(x)
+        p = dict(zip(mesh.axis_names, mesh.axis_sizes))[axis]
+        _check_state_shape(state, value_shape, p, kind, axis, where)
     # y: replicated over `axis` (row) or sharded over it on its last dim (column); the state is
     # shaped like the reduced value: y (row), x (column).
     ye = xe[:-1] + (((),) if kind == "row" else ((axis,),))
@@ -578,5 +650,5 @@ def collective_ops(hlo_text: str) -> list:
 
 
 __all__ = ["row_parallel_matmul", "column_parallel_matmul", "state_for", "operand_specs",
-           "batch_axes", "collective_ops", "EchoShardingWarning", "auto_axes_beside",
-           "check_partial_manual"]
+           "batch_axes", "collective_ops", "type_mesh", "mesh_hint", "EchoShardingWarning",
+           "EchoMeshWarning", "auto_axes_beside", "check_partial_manual"]

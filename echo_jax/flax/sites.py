@@ -14,6 +14,7 @@ What `echo_jax.flax.linen` and `echo_jax.flax.nnx` share below their modules (re
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence, Union
 
 import jax
@@ -57,6 +58,26 @@ def _mesh_with(axis_name, arrays=()):
     return None
 
 
+def _warn_unset_mesh(axis_name, arrays, where):
+    """An `EchoMeshWarning` where an operand traced by jit lives on a mesh whose `axis_name`
+    has more than one device but no mesh is set: the layer runs as the plain dense layer and
+    XLA all-reduces it itself (a jit step called outside `jax.set_mesh`)."""
+    for a in arrays:
+        if not isinstance(a, jax.core.Tracer):
+            continue
+        mesh = gspmd.type_mesh(a)
+        sizes = {} if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes))
+        if sizes.get(axis_name, 1) > 1:
+            warnings.warn(
+                f"{where}: the kernel lives on a mesh {sizes} whose {axis_name!r} has "
+                f"{sizes[axis_name]} devices, but no mesh is set where the layer is traced "
+                "(jax.jit and nnx.jit do not hand the arguments' mesh to the program), so the "
+                "layer runs as the plain dense layer and XLA all-reduces it itself, without "
+                "Echo. Call the step under `with jax.set_mesh(mesh):` with that mesh (or name "
+                "mode='gspmd' to make this an error).", gspmd.EchoMeshWarning, stacklevel=2)
+            return
+
+
 def resolve_mode(mode: str, axis_name: str, *arrays, where: str = "echo_jax.flax") -> str:
     """Where a layer runs: "shard_map", "gspmd" or "local" (the modes of `echo_jax.flax`).
 
@@ -72,6 +93,11 @@ def resolve_mode(mode: str, axis_name: str, *arrays, where: str = "echo_jax.flax
     Raises:
       ValueError: an unknown mode, "shard_map" where the axis is not bound, "gspmd" inside a
         shard_map over the axis or without a mesh.
+
+    Warns:
+      EchoMeshWarning: "auto" resolves to "local" inside jit while an operand lives on a mesh
+        whose `axis_name` has more than one device (a jit step called outside `jax.set_mesh`:
+        the layer would run as the plain dense layer, XLA's all-reduce instead of Echo).
     """
     if mode not in MODES:
         raise ValueError(f"{where}: mode must be one of {MODES}, got {mode!r}")
@@ -89,20 +115,35 @@ def resolve_mode(mode: str, axis_name: str, *arrays, where: str = "echo_jax.flax
             raise ValueError(f"{where}: mode='gspmd' inside a shard_map (or vmap) over "
                              f"{axis_name!r}: per-rank code takes mode='shard_map' (or 'auto')")
         if _mesh_with(axis_name, arrays) is None:
-            raise ValueError(f"{where}: mode='gspmd' needs a mesh: call the model under "
-                             "jax.set_mesh(mesh)")
+            hint = gspmd.mesh_hint(axis_name, *arrays)
+            raise ValueError(f"{where}: mode='gspmd' needs a mesh: "
+                             + (hint or "call the model under `with jax.set_mesh(mesh):`"))
         return "gspmd"
     if bound:
         return "shard_map"
-    return "gspmd" if _mesh_with(axis_name, arrays) is not None else "local"
+    if _mesh_with(axis_name, arrays) is not None:
+        return "gspmd"
+    _warn_unset_mesh(axis_name, arrays, where)
+    return "local"
 
 
 def axis_size(mode: str, axis_name: str, *arrays) -> int:
-    """P: the size of `axis_name` in a resolved mode (1 for "local")."""
+    """P: the size of `axis_name` in a resolved mode (1 for "local").
+
+    Args:
+      mode: a resolved mode ("shard_map", "gspmd" or "local").
+      axis_name: the tensor-parallel axis.
+      *arrays: the operands, as given to `resolve_mode` (in "gspmd" mode without
+        `jax.set_mesh`, a concrete kernel's `NamedSharding` names the mesh).
+    """
     if mode == "shard_map":
         return int(collective.axis_size(axis_name, "echo_jax.flax"))
     if mode == "gspmd":
         mesh = _mesh_with(axis_name, arrays)
+        if mesh is None:
+            raise ValueError(f"axis_size: mode 'gspmd' needs a mesh: call the model under "
+                             f"`with jax.set_mesh(mesh):` (or pass the operands whose "
+                             f"NamedSharding names it)")
         sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
         return int(sizes.get(axis_name, 1))
     return 1
@@ -157,15 +198,34 @@ def zero_state(like, *, axis_name: str = "tp", config: SiteConfigs = None, mode:
     return init_state(jax.ShapeDtypeStruct(jnp.shape(like), jnp.float32), dtype=dt)
 
 
-def check_state(state, value, mode: str, axis_name: str, where: str):
-    """A ValueError unless `state` is a CompensatorState of the shape this site reduces."""
+def check_state(state, value, mode: str, axis_name: str, where: str, *arrays):
+    """A ValueError unless `state` is a CompensatorState of the shape this site reduces.
+
+    Args:
+      state: the carrier's state for this site.
+      value: the value the site reduces (an array or a ShapeDtypeStruct).
+      mode: the resolved mode.
+      axis_name: the tensor-parallel axis.
+      where: the caller, for messages.
+      *arrays: the operands given to `resolve_mode` (the kernel): in "gspmd" mode without
+        `jax.set_mesh` a concrete kernel's `NamedSharding` names the mesh.
+    """
     if not isinstance(state, CompensatorState):
         raise ValueError(f"{where}: the compensator state must be a CompensatorState, got "
                          f"{type(state).__name__}")
     want = tuple(jnp.shape(value))
-    if mode == "gspmd":
-        want = (axis_size(mode, axis_name),) + want
     have = tuple(jnp.shape(state.m1))
+    if mode == "gspmd":
+        p = axis_size(mode, axis_name, *arrays)
+        if have == want and p > 1 and jax.sharding.get_abstract_mesh().empty:
+            raise ValueError(
+                f"{where}: no mesh is set, so the carrier's reset(x) made a one-device state "
+                f"shaped {have}, but this layer runs on the mesh of its kernel's NamedSharding "
+                f"({axis_name!r} of size {p}), where its state is [P, *value.shape] = "
+                f"{(p,) + want}. Call the model under `with jax.set_mesh(mesh):` with the mesh "
+                "of its parameters, so that the carrier and the layers see one mesh (eager "
+                "calls and jit steps alike)")
+        want = (p,) + want
     if have != want:
         raise ValueError(
             f"{where}: the compensator state is shaped {have}, but this site reduces a value "
@@ -217,7 +277,7 @@ def column_parallel(x, kernel, bias=None, *, axis_name: str = "tp", config: Site
     """
     resolved = resolve_mode(mode, axis_name, kernel, where=where)
     if state is not None:
-        check_state(state, x, resolved, axis_name, where)
+        check_state(state, x, resolved, axis_name, where, kernel)
     if resolved == "local":
         return _add_bias(_dot(x, kernel, precision), bias), state
     if resolved == "gspmd":
@@ -263,7 +323,7 @@ def row_parallel(x, kernel, bias=None, *, axis_name: str = "tp", config: SiteCon
         return _add_bias(_dot(x, kernel, precision), bias), state
     if resolved == "gspmd":
         if state is not None:
-            check_state(state, out, resolved, axis_name, where)
+            check_state(state, out, resolved, axis_name, where, kernel)
             y, state = gspmd.row_parallel_matmul(x, kernel, axis=axis_name, config=config,
                                                  state=state, choice=choice, rescale=rescale,
                                                  precision=precision)

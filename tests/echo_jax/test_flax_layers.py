@@ -14,7 +14,7 @@ On the 8 fake CPU devices, a ("dp", "tp") = (2, 4) mesh, both places a layer run
 * The state flows: nonzero after a pass, reset by the next (the same output again), the same
   bits as the sites threaded by hand with `echo_jax.tp` (the backward state through the
   cotangent), new shapes per pass (KV-cache decoding), the config's state dtype.
-* Every ```python block of docs/your_model.md runs as it stands.
+* Every ```python block of docs/your_model.md marked "# runs as a test" runs as it stands.
 """
 
 import re
@@ -610,11 +610,12 @@ def test_errors_name_the_fix():
 
 
 def doc_blocks():
-    """The ```python blocks of docs/your_model.md, each padded with blank lines so that a
-    traceback names the page's own line numbers."""
+    """The ```python blocks of docs/your_model.md marked "# runs as a test", each padded with
+    blank lines so that a traceback names the page's own line numbers."""
     text = DOC.read_text(encoding="utf-8")
     return [("\n" * text[:m.start(1)].count("\n") + m.group(1), m.group(1).split("\n", 1)[0])
-            for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
+            for m in re.finditer(r"```python\n(.*?)```", text, re.S)
+            if m.group(1).startswith("# runs as a test")]
 
 
 def test_doc_has_the_five_examples():
