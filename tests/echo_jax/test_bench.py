@@ -263,3 +263,11 @@ def test_time_op_stats_calls_per_iteration():
     with pytest.raises(ValueError, match="carry_state"):
         bench.time_op_stats(lambda v: v, (jnp.ones(8),) * 3, 1, 1, carry_state=True,
                             calls_per_iteration=2)
+
+
+def test_update_floor_has_a_help_and_needs_a_gpu_only_to_run():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "echo_jax_tools.update_floor", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "byte floor" in out.stdout and "--json" in out.stdout
