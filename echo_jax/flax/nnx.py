@@ -129,6 +129,23 @@ def _param(value, sharding):
     return nnx.Param(value, out_sharding=sharding)
 
 
+def _keep_settings(layer, in_features, out_features, use_bias, dtype, param_dtype, precision,
+                   axis_name, config, mode, echo, rescale):
+    """Stores a layer's constructor arguments as its attributes (as `nnx.Linear` does); rescale
+    None takes the layer kind's default."""
+    layer.in_features = in_features
+    layer.out_features = out_features
+    layer.use_bias = use_bias
+    layer.dtype = dtype
+    layer.param_dtype = param_dtype
+    layer.precision = precision
+    layer.axis_name = axis_name
+    layer.config = config
+    layer.mode = mode
+    layer.echo = echo
+    layer.rescale = layer.kind.rescale if rescale is None else rescale
+
+
 class ParallelLinear(nnx.Module):
     """A tensor-parallel `flax.nnx.Linear` of one `echo_jax.flax.layer.ParallelKind`.
 
@@ -170,17 +187,8 @@ class ParallelLinear(nnx.Module):
                                self.kind.bias_sharding(axis_name))
         else:
             self.bias = nnx.data(None)
-        self.in_features = in_features
-        self.out_features = out_features
-        self.use_bias = use_bias
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.axis_name = axis_name
-        self.config = config
-        self.mode = mode
-        self.echo = echo
-        self.rescale = self.kind.rescale if rescale is None else rescale
+        _keep_settings(self, in_features, out_features, use_bias, dtype, param_dtype, precision,
+                       axis_name, config, mode, echo, rescale)
 
     def __call__(self, inputs, *, choice=None, echo: Optional[EchoCarrier] = None):
         """Applies the layer.
@@ -276,17 +284,8 @@ class FusedColumnParallelLinear(nnx.Module):
             setattr(self, f"bias_{i}", _param(bias_init(rngs.params(), (f,), param_dtype),
                                               self.kind.bias_sharding(axis_name))
                     if use_bias else nnx.data(None))
-        self.in_features = in_features
-        self.out_features = out_features
-        self.use_bias = use_bias
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.axis_name = axis_name
-        self.config = config
-        self.mode = mode
-        self.echo = echo
-        self.rescale = self.kind.rescale if rescale is None else rescale
+        _keep_settings(self, in_features, out_features, use_bias, dtype, param_dtype, precision,
+                       axis_name, config, mode, echo, rescale)
 
     def __call__(self, inputs, *, choice=None, echo: Optional[EchoCarrier] = None):
         """Applies the layer: a tuple with one output per entry of `out_features` (each as

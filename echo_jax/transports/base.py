@@ -128,6 +128,41 @@ class Transport(abc.ABC):
         return f"<echo_jax transport {self.name!r} ({type(self).__name__})>"
 
 
+class CustomCallTransport(Transport):
+    """A custom call as a `Transport`: the methods call the module-level functions of the
+    transport module given (`unavailable`, `limit_reason`, `fused_rotation`, `allreduce`,
+    `allreduce_compensated`, `allreduce_applied`: the CPU and CUDA calls' common interface).
+    x enters the call in its own dtype; the compensator, the apply step alone and the rotation
+    are fused into it."""
+
+    custom_call = True
+    fused_apply = True
+
+    def __init__(self, calls):
+        """Args: calls: the transport module whose functions run the calls."""
+        self.calls = calls
+
+    def unavailable(self, axis_name=None, platform=None, devices=None):
+        return self.calls.unavailable(axis_name, platform=platform, devices=devices)
+
+    def limit_reason(self, config, num_elements, num_ranks):
+        return self.calls.limit_reason(config, num_elements, num_ranks)
+
+    def fused_rotation(self, config):
+        return self.calls.fused_rotation(config)
+
+    def allreduce(self, x_flat, axis, num_ranks, config, factor=None):
+        return self.calls.allreduce(x_flat, axis, num_ranks, config, factor=factor)
+
+    def allreduce_compensated(self, x_flat, m1, m2, axis, num_ranks, config, factor=None):
+        return self.calls.allreduce_compensated(x_flat, m1, m2, axis, num_ranks, config,
+                                                factor=factor)
+
+    def allreduce_applied(self, x_flat, m1, m2, axis, num_ranks, config, factor=None):
+        return self.calls.allreduce_applied(x_flat, m1, m2, axis, num_ranks, config,
+                                            factor=factor)
+
+
 def segment_layout(num_elements: int, num_ranks: int, group_size: int):
     """The wire layout of the Echo protocol: P segments of Gs whole groups each.
 
@@ -332,7 +367,7 @@ def build_mismatch(info: dict, module: str) -> str | None:
             f"so that it is rebuilt against its headers: {REINSTALL}")
 
 
-__all__ = ["Transport", "segment_layout", "typed_like_psum", "factor_operand", "current_platform", "on_gpu",
+__all__ = ["Transport", "CustomCallTransport", "segment_layout", "typed_like_psum", "factor_operand", "current_platform", "on_gpu",
            "platform_name", "context_reason", "trace_reason", "trace_or_processes",
            "limit_reason", "timeout_ms",
            "runtime_ffi_api", "build_mismatch", "REINSTALL",

@@ -70,6 +70,8 @@ read-only operands, runs the apply step only and returns y; the update is left t
 
 from __future__ import annotations
 
+import sys
+
 import contextlib
 import itertools
 import threading
@@ -429,37 +431,16 @@ def registry_stats() -> dict:
     return dict(_ffi.registry_stats()) if _ffi is not None else {}
 
 
-class CpuTransport(base.Transport):
-    """The CPU custom call (`echo_jax._ffi`, host threads over shared memory) as a `Transport`: x enters the call in its own dtype; the compensator (both
-    state dtypes of FUSED_STATE_DTYPES), the apply step alone and the rotation (`fused_rotation`)
-    are fused into it."""
+class CpuTransport(base.CustomCallTransport):
+    """The CPU custom call (`echo_jax._ffi`, host threads over shared memory) as a
+    `Transport`; it takes both state dtypes of FUSED_STATE_DTYPES."""
 
     name = NAME
-    custom_call = True
     fused_state_dtypes = FUSED_STATE_DTYPES
-    fused_apply = True
-
-    def unavailable(self, axis_name=None, platform=None, devices=None):
-        return unavailable(axis_name, platform=platform, devices=devices)
-
-    def limit_reason(self, config, num_elements, num_ranks):
-        return limit_reason(config, num_elements, num_ranks)
-
-    def fused_rotation(self, config):
-        return fused_rotation(config)
-
-    def allreduce(self, x_flat, axis, num_ranks, config, factor=None):
-        return allreduce(x_flat, axis, num_ranks, config, factor=factor)
-
-    def allreduce_compensated(self, x_flat, m1, m2, axis, num_ranks, config, factor=None):
-        return allreduce_compensated(x_flat, m1, m2, axis, num_ranks, config, factor=factor)
-
-    def allreduce_applied(self, x_flat, m1, m2, axis, num_ranks, config, factor=None):
-        return allreduce_applied(x_flat, m1, m2, axis, num_ranks, config, factor=factor)
 
 
 #: This transport, as the object the call plan holds.
-TRANSPORT = CpuTransport()
+TRANSPORT = CpuTransport(sys.modules[__name__])
 
 __all__ = ["TRANSPORT", "CpuTransport", "NAME", "unavailable", "unavailable_reason", "module_reason", "limit_reason",
            "allreduce", "allreduce_compensated", "allreduce_applied", "fused_rotation",

@@ -22,6 +22,8 @@ store inside the kernels, the bits of `echo_jax.compensator`'s bfloat16 state.
 
 from __future__ import annotations
 
+import sys
+
 import ctypes
 import functools
 
@@ -460,41 +462,21 @@ def allreduce_applied(x_flat, m1_flat, m2_flat, axis, num_ranks: int, config: Ec
     return base.typed_like_psum(y, axis, x_flat, m1_flat, m2_flat)
 
 
-class CudaTransport(base.Transport):
-    """The CUDA custom calls (`echo_jax._ffi_cuda`, one GPU per rank, peer-to-peer writes) as a `Transport`: x enters the call in its own dtype; the compensator (both
-    state dtypes of FUSED_STATE_DTYPES), the apply step alone and the rotation (`fused_rotation`)
-    are fused into it."""
+class CudaTransport(base.CustomCallTransport):
+    """The CUDA custom calls (`echo_jax._ffi_cuda`, one GPU per rank, peer-to-peer writes) as
+    a `Transport`; it takes both state dtypes of FUSED_STATE_DTYPES and runs the separate update
+    as one kernel pass (`update_state`)."""
 
     name = NAME
-    custom_call = True
     fused_state_dtypes = FUSED_STATE_DTYPES
-    fused_apply = True
     separate_update = True
-
-    def unavailable(self, axis_name=None, platform=None, devices=None):
-        return unavailable(axis_name, platform=platform, devices=devices)
-
-    def limit_reason(self, config, num_elements, num_ranks):
-        return limit_reason(config, num_elements, num_ranks)
-
-    def fused_rotation(self, config):
-        return fused_rotation(config)
-
-    def allreduce(self, x_flat, axis, num_ranks, config, factor=None):
-        return allreduce(x_flat, axis, num_ranks, config, factor=factor)
-
-    def allreduce_compensated(self, x_flat, m1, m2, axis, num_ranks, config, factor=None):
-        return allreduce_compensated(x_flat, m1, m2, axis, num_ranks, config, factor=factor)
-
-    def allreduce_applied(self, x_flat, m1, m2, axis, num_ranks, config, factor=None):
-        return allreduce_applied(x_flat, m1, m2, axis, num_ranks, config, factor=factor)
 
     def update_separate(self, x, y, state, num_ranks, config):
         return update_state(x, y, state, num_ranks, config)
 
 
 #: This transport, as the object the call plan holds.
-TRANSPORT = CudaTransport()
+TRANSPORT = CudaTransport(sys.modules[__name__])
 
 __all__ = ["TRANSPORT", "CudaTransport", "update_state", "DTYPES", "NAME", "unavailable", "unavailable_reason", "module_reason", "peer_access_reason",
            "can_access_peer", "ARCHITECTURES_KEY", "BUILD_FIX", "limit_reason", "allreduce",
