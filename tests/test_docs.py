@@ -6,6 +6,7 @@ Checked without a renderer, by the rules GitHub's Markdown follows:
 - every relative link points at a file that exists, and a `#anchor` at a heading of that file
   (GitHub's slug: lower case, punctuation dropped, spaces to '-', '-1', '-2' for repeats);
 - the README's usage example runs as printed.
+- the README's SmolLM2 perplexities are those of the results JSON it links.
 """
 
 import re
@@ -126,3 +127,25 @@ def test_results_readme_names_every_file():
         return any(f"`{'/'.join(parts[i:])}`" in index for i in range(len(parts)))
     missing = [f for f in files if f != "README.md" and not named(f)]
     assert not missing, f"results/README.md does not name: {missing}"
+
+
+def test_readme_smollm2_perplexities_match_their_results_file():
+    """The README's SmolLM2 headline row quotes the JSON it links, rounded as printed."""
+    import json
+    row = next(line for _, line in _prose_lines((REPO / "README.md").read_text())
+               if line.startswith("| SmolLM2-135M, P = 3, 20,480 tokens"))
+    source = re.search(r"\]\((results/[^)]+\.json)\)", row).group(1)
+    rows = {r["config"]: r for r in json.loads((REPO / source).read_text())["rows"]}
+    quoted = {   # config: (perplexity, relative change in %) as the README prints them
+        "16bit": re.search(r"perplexity ([\d.]+) at 16 bits", row).groups() + (None,),
+        "8bit-comp": re.search(r"8-bit comp ([\d.]+) \(\+([\d.]+) %\)", row).groups(),
+        "4bit-comp": re.search(r"4-bit comp ([\d.]+) \(\+([\d.]+) %\)", row).groups(),
+        "4bit-none": re.search(r"uncompensated ([\d.]+) \(\+([\d.]+) %\)", row).groups(),
+    }
+    def printed(value, as_quoted):   # value rounded to as_quoted's decimals
+        decimals = len(as_quoted.partition(".")[2])
+        return f"{value:.{decimals}f}"
+    for config, (ppl, pct) in quoted.items():
+        assert printed(rows[config]["perplexity"], ppl) == ppl, (config, source)
+        if pct is not None:
+            assert printed(rows[config]["rel_delta_ppl_vs_16bit_pct"], pct) == pct, (config, source)
