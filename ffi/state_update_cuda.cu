@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <string>
 
+#include "echo_cuda.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -35,29 +36,16 @@ struct UpdateCoefficients {
   float ea, eb, b1, c1, b2, c2, inv_p;
 };
 
-__device__ __forceinline__ float widen(float v) { return v; }
-__device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float widen(__half v) { return __half2float(v); }
-
-template <typename S>
-__device__ __forceinline__ S narrow(float v);
-template <>
-__device__ __forceinline__ float narrow<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
 // One value: the arithmetic of compensator.apply_correction + update_state, operation by
-// operation.
+// operation (to_f32 / from_f32 of echo_cuda.cuh: exact widening, round to nearest even).
 template <typename S>
 __device__ __forceinline__ void update_one(float x, float y, S& m1, S& m2,
                                            const UpdateCoefficients& k) {
-  const float a1 = widen(m1), a2 = widen(m2);
+  const float a1 = to_f32(m1), a2 = to_f32(m2);
   const float xp = __fadd_rn(x, __fadd_rn(__fmul_rn(k.ea, a1), __fmul_rn(k.eb, a2)));
   const float u = __fsub_rn(xp, __fmul_rn(y, k.inv_p));
-  m1 = narrow<S>(__fadd_rn(__fmul_rn(k.b1, a1), __fmul_rn(k.c1, u)));
-  m2 = narrow<S>(__fadd_rn(__fmul_rn(k.b2, a2), __fmul_rn(k.c2, u)));
+  m1 = from_f32<S>(__fadd_rn(__fmul_rn(k.b1, a1), __fmul_rn(k.c1, u)));
+  m2 = from_f32<S>(__fadd_rn(__fmul_rn(k.b2, a2), __fmul_rn(k.c2, u)));
 }
 
 constexpr int kVec = 8;         // values a thread takes per step: 16-byte loads of 16-bit data
@@ -66,7 +54,7 @@ constexpr int kThreads = 256;
 // kVec values held together, so that a step is a few 16-byte loads and stores (one for 16-bit
 // data, two for fp32).
 template <typename T>
-struct alignas(16) Pack {
+struct alignas(16) Pack16 {
   T v[kVec];
 };
 
@@ -80,24 +68,24 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
          i += stride)
-      update_one(widen(x[i]), widen(y[i]), m1[i], m2[i], k);
+      update_one(to_f32(x[i]), to_f32(y[i]), m1[i], m2[i], k);
     return;
   }
   const int64_t packs = n / kVec;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < packs;
        p += stride) {
-    const Pack<T> xv = reinterpret_cast<const Pack<T>*>(x)[p];
-    const Pack<T> yv = reinterpret_cast<const Pack<T>*>(y)[p];
-    Pack<S> a = reinterpret_cast<Pack<S>*>(m1)[p];
-    Pack<S> b = reinterpret_cast<Pack<S>*>(m2)[p];
+    const Pack16<T> xv = reinterpret_cast<const Pack16<T>*>(x)[p];
+    const Pack16<T> yv = reinterpret_cast<const Pack16<T>*>(y)[p];
+    Pack16<S> a = reinterpret_cast<Pack16<S>*>(m1)[p];
+    Pack16<S> b = reinterpret_cast<Pack16<S>*>(m2)[p];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) update_one(widen(xv.v[j]), widen(yv.v[j]), a.v[j], b.v[j], k);
-    reinterpret_cast<Pack<S>*>(m1)[p] = a;
-    reinterpret_cast<Pack<S>*>(m2)[p] = b;
+    for (int j = 0; j < kVec; ++j) update_one(to_f32(xv.v[j]), to_f32(yv.v[j]), a.v[j], b.v[j], k);
+    reinterpret_cast<Pack16<S>*>(m1)[p] = a;
+    reinterpret_cast<Pack16<S>*>(m2)[p] = b;
   }
   const int64_t tail = packs * kVec + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (tail < n) update_one(widen(x[tail]), widen(y[tail]), m1[tail], m2[tail], k);
+  if (tail < n) update_one(to_f32(x[tail]), to_f32(y[tail]), m1[tail], m2[tail], k);
 }
 
 template <typename T, typename S>
