@@ -251,8 +251,8 @@ def _gate_drops_state():
 def _column_backward_unscaled():
     from echo_jax import gspmd
     bwd = mutate(gspmd, "_column_input_bwd",
-                 ("_reduce_switch(ct, axis, config, choice, None, rescale)",
-                  "_reduce_switch(ct, axis, config, choice, None, False)"))
+                 ("site_all_reduce(ct, axis, config, choice, None, rescale)",
+                  "site_all_reduce(ct, axis, config, choice, None, False)"))
     gspmd._column_input.defvjp(gspmd._column_input_fwd, bwd)
 
 
@@ -295,7 +295,7 @@ def native_unavailable():
     return None
 
 
-def _native_mutant(name, *edits):
+def _native_mutant(name, *edits, source="ffi/echo_allreduce_cpu.cc"):
     import ctypes
     import hashlib
     import pathlib
@@ -307,18 +307,21 @@ def _native_mutant(name, *edits):
 
     from echo_jax.transports import cpu
     repo = pathlib.Path(__file__).resolve().parents[1]
-    src = (repo / _NATIVE_SOURCE).read_text()
+    # `source` is the handler's file or one of the headers it includes: the mutated file is
+    # written beside a copy of the handler, whose quoted includes find it there first.
+    src = (repo / source).read_text()
     for old, new in edits:
         if src.count(old) != 1:
-            raise RuntimeError(f"mutant {name} of {_NATIVE_SOURCE}: expected one occurrence "
+            raise RuntimeError(f"mutant {name} of {source}: expected one occurrence "
                                f"of {old!r}, found {src.count(old)}")
         src = src.replace(old, new)
+    handler = (repo / _NATIVE_SOURCE).read_text() if source != _NATIVE_SOURCE else src
     include = jax.ffi.include_dir()
     cxx = os.environ.get("CXX", "c++")
     flags = ["-std=c++17", "-O2", "-DNDEBUG", "-fPIC", "-shared", "-ffp-contract=off",
              "-fno-fast-math", "-pthread"]
     digest = hashlib.sha256()
-    for part in [src, cxx, include, jaxlib.__version__, *flags] + [p.read_text() for p in
+    for part in [src, handler, cxx, include, jaxlib.__version__, *flags] + [p.read_text() for p in
                                                sorted((repo / "ffi").glob("*.h"))]:
         digest.update(part.encode() + b"\0")
     out = pathlib.Path(tempfile.gettempdir()) / "echo_jax_mutants"
@@ -327,7 +330,9 @@ def _native_mutant(name, *edits):
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out) as tmp:
             cc = pathlib.Path(tmp) / "mutant.cc"
-            cc.write_text(src)
+            cc.write_text(handler)
+            if source != _NATIVE_SOURCE:
+                (pathlib.Path(tmp) / pathlib.Path(source).name).write_text(src)
             so = pathlib.Path(tmp) / "mutant.so"
             proc = subprocess.run([cxx, *flags, f"-I{repo / 'ffi'}", "-isystem", include,
                                    str(cc), "-o", str(so)], capture_output=True, text=True)
@@ -358,7 +363,8 @@ def _owner_sums_in_reverse_rank_order():
         ("for (int r = 0; r < P; ++r) {" + indent + "float* v = r == 0 ? acc.data()",
          "for (int r = P - 1; r >= 0; --r) {" + indent + "float* v = r == P - 1 ? acc.data()"),
         ("if (r > 0) {" + indent + "  for (int t = 0; t < g; ++t) acc[t]",
-         "if (r < P - 1) {" + indent + "  for (int t = 0; t < g; ++t) acc[t]"))
+         "if (r < P - 1) {" + indent + "  for (int t = 0; t < g; ++t) acc[t]"),
+        source="ffi/cpu_protocol.h")
 
 
 _owner_sums_in_reverse_rank_order.unavailable = native_unavailable
