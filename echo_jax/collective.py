@@ -566,8 +566,17 @@ def _fused_allreduce_f32_jvp(axis, num_ranks, plan, primals, tangents):
     x, m1, m2, factor = primals
     y, n1, n2 = _fused_allreduce_f32(x, m1, m2, factor, axis, num_ranks, plan)
     t = tangents[0].astype(jnp.float32)
-    return (y, n1, n2), (lax.psum(t, axis).astype(y.dtype), jnp.zeros_like(n1),
-                         jnp.zeros_like(n2))
+    return (y, n1, n2), (lax.psum(t, axis).astype(y.dtype), _zero_tangent(n1),
+                         _zero_tangent(n2))
+
+
+def _zero_tangent(tree):
+    """Zero tangents for a state average (an int8 state's codes take float0 ones)."""
+    def zero(a):
+        if jnp.issubdtype(jnp.result_type(a), jnp.integer):
+            return np.zeros(jnp.shape(a), jax.dtypes.float0)
+        return jnp.zeros_like(a)
+    return jax.tree.map(zero, tree)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))

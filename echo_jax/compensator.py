@@ -32,7 +32,7 @@ array (`QuantizedMoment(codes, scales)`, scales [ceil(size / 128)]; the last gro
 short). A
 stored average v (fp32, one group) is
 
-    s = max|v| / 127           (correctly rounded; 0 for an all-zero group)
+    s = max|v| * fp32(1/127)   (one rounded product; 0 for an all-zero group)
     q = rne(v * (1 / s))       (the reciprocal and the product each rounded; clipped to +-127)
 
 and read back as q * s (rounded). A non-finite value makes its group's scale non-finite, so the
@@ -216,13 +216,15 @@ def _grouped(v, size: int):
 
 def quantize_state(v32):
     """An fp32 average (any shape) as the int8 state's (codes in v's shape, scales): per group
-    of STATE_GROUP values of the flattened array, s = max|v| / 127, q = rne(v * (1 / s)),
+    of STATE_GROUP values of the flattened array, s = max|v| * fp32(1/127), q = rne(v * (1 / s)),
     clipped to [-127, 127] (module docstring). A group with a non-finite value gets a
     non-finite scale and codes 0."""
     size = int(jnp.size(v32))
     g = _grouped(v32.astype(jnp.float32), size)
     amax = jnp.max(jnp.abs(g), axis=1)
-    scale = amax / np.float32(127)
+    # A product, not amax / 127: XLA rewrites a division by a constant into this product, so
+    # the product is what every implementation (the CPU handler, the CUDA kernels) can match.
+    scale = amax * np.float32(1 / 127)
     usable = jnp.isfinite(scale) & (scale > 0)
     inv = jnp.where(usable, np.float32(1) / jnp.where(usable, scale, np.float32(1)),
                     np.float32(0))

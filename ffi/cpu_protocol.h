@@ -87,32 +87,62 @@ Error_Type WaitFlag(const WaitSite& w, int peer, int64_t target, const char* sta
 // The protocol of one rank.
 // -------------------------------------------------------------------------------------------
 
+// How the compensator's state is stored (EchoConfig.state_dtype).
+enum class StateFormat { kF32, kBF16, kQ8 };
+
 // Views of one rank's operands.
 struct RankIO {
   const void* x;     // cfg.dtype: float, or the uint16 bits of a bf16 / fp16
-  const void* m1;    // compensated only: float, or the uint16 bits of bf16 (state_bf16)
+  const void* m1;    // compensated only: float, the uint16 bits of bf16, or int8 codes (kQ8)
   const void* m2;
   void* y;           // cfg.dtype, like x
   void* m1_out;      // m1's dtype; may alias m1 (input_output_aliases)
   void* m2_out;
   float factor;      // the shared power of two of the rescaling (Sec. 5.4); 1 when not rescaled
   float inv_factor;  // 1 / factor (exact: a power of two)
-  bool state_bf16;   // EchoConfig.state_dtype = "bfloat16"
+  StateFormat state;
+  // kQ8: the scales of m1, m2 (one a kStateGroup values) and their results (may alias them).
+  const float* s1 = nullptr;
+  const float* s2 = nullptr;
+  float* s1_out = nullptr;
+  float* s2_out = nullptr;
 };
 
-// Element k of a state array (m1 or m2) in fp32: a bf16 state is widened exactly.
-inline float LoadState(const RankIO& io, const void* m, int64_t k) {
-  return io.state_bf16 ? echo::bf16_to_f32(static_cast<const uint16_t*>(m)[k])
-                       : static_cast<const float*>(m)[k];
+// Element k of a state array (m1 or m2, with its scales s for kQ8) in fp32: a bf16 state is
+// widened exactly, an int8 one read back as q * s.
+inline float LoadState(const RankIO& io, const void* m, const float* s, int64_t k) {
+  switch (io.state) {
+    case StateFormat::kBF16:
+      return echo::bf16_to_f32(static_cast<const uint16_t*>(m)[k]);
+    case StateFormat::kQ8:
+      return echo::state_value(static_cast<const int8_t*>(m)[k], s[k / echo::kStateGroup]);
+    default:
+      return static_cast<const float*>(m)[k];
+  }
 }
+inline float LoadM1(const RankIO& io, int64_t k) { return LoadState(io, io.m1, io.s1, k); }
+inline float LoadM2(const RankIO& io, int64_t k) { return LoadState(io, io.m2, io.s2, k); }
 
 // Stores an fp32 state value as element k; a bf16 state rounds to nearest even (the
-// reference's reduce_precision + convert; only the stored state is rounded).
+// reference's reduce_precision + convert; only the stored state is rounded). Not for kQ8, which
+// stores whole groups (StoreStateGroup).
 inline void StoreState(const RankIO& io, void* m, int64_t k, float v) {
-  if (io.state_bf16)
+  if (io.state == StateFormat::kBF16)
     static_cast<uint16_t*>(m)[k] = echo::f32_to_bf16(v);
   else
     static_cast<float*>(m)[k] = v;
+}
+
+// Stores the `count` fp32 values v of the int8 state group that starts at element k0 (a
+// multiple of kStateGroup): its scale from the group's largest |v|, then the codes.
+inline void StoreStateGroup(void* m, float* s, int64_t k0, const float* v, int count) {
+  float amax = 0.0f;
+  for (int t = 0; t < count; ++t) amax = echo::max_f(amax, echo::abs_f(v[t]));
+  const float scale = echo::state_scale(amax);
+  const float inv = echo::state_inverse(scale);
+  int8_t* q = static_cast<int8_t*>(m) + k0;
+  for (int t = 0; t < count; ++t) q[t] = echo::state_code(v[t], inv);
+  s[k0 / echo::kStateGroup] = scale;
 }
 
 // Element k of x in fp32 (exact for each of the three dtypes: the x.astype(f32) of the reference).
@@ -157,7 +187,7 @@ inline void LoadGroup(const CallConfig& cfg, const RankIO& io, int64_t k0, float
     }
     const float x = LoadX(cfg, io, k);
     const float xp = cfg.compensated
-                         ? echo::comp_apply(x, LoadState(io, io.m1, k), LoadState(io, io.m2, k), cfg.k)
+                         ? echo::comp_apply(x, LoadM1(io, k), LoadM2(io, k), cfg.k)
                          : x;
     v[t] = echo::mul_rn(xp, io.factor);
   }
@@ -194,6 +224,11 @@ void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t
   const int g = cfg.group_size;
   const uint16_t* params = SlotParams(slot);
   const uint8_t* codes = SlotCodes(cfg, slot);
+  thread_local std::vector<float> new1, new2;  // kQ8: a group's updated m1, m2
+  if (io.state == StateFormat::kQ8) {
+    new1.resize(g);
+    new2.resize(g);
+  }
   for (int64_t gi = 0; gi < cfg.seg_groups; ++gi) {
     const int64_t k0 = seg * cfg.seg_elems + gi * g;
     if (k0 >= cfg.n) break;
@@ -211,14 +246,25 @@ void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t
       const float y = echo::mul_rn(buf[t], io.inv_factor);
       StoreY(cfg, io, k, y);
       if (cfg.update) {
-        const float m1 = LoadState(io, io.m1, k);  // read before writing: m1_out may alias m1
-        const float m2 = LoadState(io, io.m2, k);
+        const float m1 = LoadM1(io, k);  // read before writing: m1_out may alias m1
+        const float m2 = LoadM2(io, k);
         const float xp = echo::comp_apply(LoadX(cfg, io, k), m1, m2, cfg.k);
         float n1, n2;
         echo::comp_update(xp, y, m1, m2, cfg.k, &n1, &n2);
-        StoreState(io, io.m1_out, k, n1);
-        StoreState(io, io.m2_out, k, n2);
+        if (io.state == StateFormat::kQ8) {  // the group's values first, then its scale
+          new1[t] = n1;
+          new2[t] = n2;
+        } else {
+          StoreState(io, io.m1_out, k, n1);
+          StoreState(io, io.m2_out, k, n2);
+        }
       }
+    }
+    // kQ8: a wire group is one state group (ParseConfig: group_size == kStateGroup), whose
+    // old scale was read above, before these stores.
+    if (cfg.update && io.state == StateFormat::kQ8) {
+      StoreStateGroup(io.m1_out, io.s1_out, k0, new1.data(), count);
+      StoreStateGroup(io.m2_out, io.s2_out, k0, new2.data(), count);
     }
   }
 }
@@ -240,9 +286,16 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
   if (cfg.absent_rank == me) {  // test hook: behave like a peer that never arrives
     std::memset(io.y, 0, static_cast<size_t>(cfg.n) * ElementBytes(cfg.dtype));  // +0 in any dtype
     if (cfg.update) {
-      const size_t bytes = static_cast<size_t>(cfg.n) * (io.state_bf16 ? 2 : 4);
+      const size_t bytes = static_cast<size_t>(cfg.n) *
+                           (io.state == StateFormat::kF32 ? 4 : io.state == StateFormat::kBF16 ? 2 : 1);
       if (io.m1_out != io.m1) std::memcpy(io.m1_out, io.m1, bytes);
       if (io.m2_out != io.m2) std::memcpy(io.m2_out, io.m2, bytes);
+      if (io.state == StateFormat::kQ8) {
+        const size_t scale_bytes = static_cast<size_t>(
+            (cfg.n + echo::kStateGroup - 1) / echo::kStateGroup) * sizeof(float);
+        if (io.s1_out != io.s1) std::memcpy(io.s1_out, io.s1, scale_bytes);
+        if (io.s2_out != io.s2) std::memcpy(io.s2_out, io.s2, scale_bytes);
+      }
     }
     return Error_Type::Success();
   }

@@ -353,7 +353,7 @@ ffi::ErrorOr<Job> PrepareAllReduce(int32_t device_ordinal, ffi::RunId run_id, Bu
   ECHO_FFI_ASSIGN_OR_RETURN(float f, ReadFactor(factor));
   return Job{cfg, c,
              RankIO{x.untyped_data(), nullptr, nullptr, y->untyped_data(), nullptr, nullptr, f,
-                    1.0f / f, false}};
+                    1.0f / f, StateFormat::kF32}};
 }
 
 // The compensated call (m1_out, m2_out given: apply and update) or the applied call (both null:
@@ -391,7 +391,50 @@ ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId
              RankIO{x.untyped_data(), m1.untyped_data(), m2.untyped_data(), y->untyped_data(),
                     update ? (*m1_out)->untyped_data() : nullptr,
                     update ? (*m2_out)->untyped_data() : nullptr, f, 1.0f / f,
-                    st == ffi::DataType::BF16}};
+                    st == ffi::DataType::BF16 ? StateFormat::kBF16 : StateFormat::kF32}};
+}
+
+// The compensated call with the int8 state (EchoConfig.state_dtype = "int8"): m1, m2 are int8
+// codes with fp32 scales s1, s2 (one a kStateGroup values), all updated in place. A wire group
+// is one state group: group_size must be kStateGroup (echo_jax.transports.call_modes plans it so).
+ffi::ErrorOr<Job> PrepareAllReduceCompensatedQ8(int32_t device_ordinal, ffi::RunId run_id,
+                                                Buffer_Type x, Buffer_Type m1, Buffer_Type s1,
+                                                Buffer_Type m2, Buffer_Type s2,
+                                                S32Buffer_Type coords, F32Buffer_Type factor,
+                                                Result_Type y, Result_Type m1_out,
+                                                Result_Type s1_out, Result_Type m2_out,
+                                                Result_Type s2_out, const Dictionary_Type& attrs) {
+  ECHO_FFI_RETURN_IF_ERROR(CheckContribution(x, y));
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  const int64_t groups = (n + echo::kStateGroup - 1) / echo::kStateGroup;
+  for (const auto& [name, codes, scales] :
+       {std::tuple{"m1", &m1, &s1}, std::tuple{"m2", &m2, &s2}}) {
+    ECHO_FFI_CHECK(codes->element_type() == ffi::DataType::S8 &&
+                       scales->element_type() == ffi::DataType::F32,
+                   kWhere, "the int8 state's ", name, " must be int8 codes with float32 scales, "
+                   "got dtype codes ", static_cast<int>(codes->element_type()), " / ",
+                   static_cast<int>(scales->element_type()));
+    ECHO_FFI_CHECK(static_cast<int64_t>(codes->element_count()) == n &&
+                       static_cast<int64_t>(scales->element_count()) == groups,
+                   kWhere, "the int8 state's ", name, " has ", codes->element_count(),
+                   " codes and ", scales->element_count(), " scales; the contribution of ", n,
+                   " values needs ", n, " and ", groups, "; use echo_jax.init_state(x, config)");
+  }
+  ECHO_FFI_ASSIGN_OR_RETURN(
+      CallConfig cfg, ParseConfig(attrs, n, x.element_type(), /*compensated=*/true, true));
+  ECHO_FFI_CHECK(cfg.group_size == echo::kStateGroup, kWhere, "the int8 state needs "
+                 "group_size ", echo::kStateGroup, " (one wire group a state group), got ",
+                 cfg.group_size);
+  ECHO_FFI_ASSIGN_OR_RETURN(Coords c, ReadCoords(coords, device_ordinal, run_id, cfg.num_ranks));
+  ECHO_FFI_RETURN_IF_ERROR(DebugFailValidation(cfg, c));
+  ECHO_FFI_ASSIGN_OR_RETURN(float f, ReadFactor(factor));
+  RankIO io{x.untyped_data(), m1.untyped_data(), m2.untyped_data(), y->untyped_data(),
+            m1_out->untyped_data(), m2_out->untyped_data(), f, 1.0f / f, StateFormat::kQ8};
+  io.s1 = s1.typed_data<float>();
+  io.s2 = s2.typed_data<float>();
+  io.s1_out = s1_out->typed_data<float>();
+  io.s2_out = s2_out->typed_data<float>();
+  return Job{cfg, c, io};
 }
 
 // -------------------------------------------------------------------------------------------
@@ -413,6 +456,18 @@ ffi::Future EchoAllReduceCompCpuImpl(int32_t device_ordinal, ffi::RunId run_id,
                                             Dictionary_Type attrs) {
   ffi::ErrorOr<Job> job = PrepareAllReduceCompensated(device_ordinal, run_id, x, m1, m2, coords,
                                                       factor, y, &m1_out, &m2_out, attrs);
+  return Launch(std::move(job), device_ordinal, run_id, coords, attrs);
+}
+
+ffi::Future EchoAllReduceCompQ8CpuImpl(int32_t device_ordinal, ffi::RunId run_id,
+                                       Buffer_Type x, Buffer_Type m1, Buffer_Type s1,
+                                       Buffer_Type m2, Buffer_Type s2, S32Buffer_Type coords,
+                                       F32Buffer_Type factor, Result_Type y, Result_Type m1_out,
+                                       Result_Type s1_out, Result_Type m2_out,
+                                       Result_Type s2_out, Dictionary_Type attrs) {
+  ffi::ErrorOr<Job> job = PrepareAllReduceCompensatedQ8(device_ordinal, run_id, x, m1, s1, m2,
+                                                        s2, coords, factor, y, m1_out, s1_out,
+                                                        m2_out, s2_out, attrs);
   return Launch(std::move(job), device_ordinal, run_id, coords, attrs);
 }
 
@@ -463,6 +518,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(echo_allreduce_cpu, echo::cpu::EchoAllReduceCpuImp
 // as above plus the compensator's seven coefficients.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(echo_allreduce_comp_cpu, echo::cpu::EchoAllReduceCompCpuImpl,
                               echo::cpu::BindCpuCall<echo::CallState::kCompensated>());
+
+// echo_allreduce_comp_q8_cpu (platform "cpu"): the compensated call with the int8 state (its
+// codes and scales in place); the compensated call's attributes, group_size 128.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(echo_allreduce_comp_q8_cpu, echo::cpu::EchoAllReduceCompQ8CpuImpl,
+                              echo::cpu::BindCpuCall<echo::CallState::kCompensatedQ8>());
 
 // echo_allreduce_applied_cpu (platform "cpu"): the apply step fused into the all-reduce, the
 // update left to its own op (EchoConfig.state_update = "separate"); the compensated call's

@@ -84,27 +84,33 @@ inline ffi::ErrorOr<AllReduceAttrs> ParseAllReduceAttrs(const Dictionary_Type& a
 // After each side's context (CPU: the device ordinal and the run id; CUDA: XLA's stream):
 //   x        the contribution, f32 / bf16 / f16: [n] a rank, or [P, n] for virtual ranks
 //   m1, m2   with a state: the compensator's averages, f32 or bf16, x's element count (the
-//            compensated call's are aliased to m1_out, m2_out, the applied call's read only)
+//            compensated call's are aliased to m1_out, m2_out, the applied call's read only);
+//            with the int8 state (kCompensatedQ8) each is two operands, the codes (int8, x's
+//            element count) and their scales (f32, one a kStateGroup values): m1, s1, m2, s2
 //   Coords   the CPU handler's int32 [2] = (rank, group id); none on CUDA (void)
 //   factor   f32 [1], the rescaling's power of two (the Echo paper Sec. 5.4; 1: not rescaled),
 //            applied after the apply step x + c
 //   y        the sum, x's dtype and shape, the same on every rank
-//   m1_out, m2_out  the compensated call's updated state, m1's dtype
+//   m1_out, m2_out  the compensated call's updated state, m1's dtype (int8: m1, s1, m2, s2)
 // then every attribute as one dictionary (the table above and each side's own).
-enum class CallState { kNone, kApplied, kCompensated };
+enum class CallState { kNone, kApplied, kCompensated, kCompensatedQ8 };
 
 // (A Binding cannot be moved or copied, only extended: every step is one call on the last.)
 namespace internal {
-template <bool kStateOut, typename Binding>
+template <int kStateOut, typename Binding>
 auto BindResults(Binding&& b) {
-  if constexpr (kStateOut) {
+  if constexpr (kStateOut == 4) {
+    return std::move(b).template Ret<Buffer_Type>().template Ret<Buffer_Type>()
+        .template Ret<Buffer_Type>().template Ret<Buffer_Type>().template Ret<Buffer_Type>()
+        .Attrs();
+  } else if constexpr (kStateOut == 2) {
     return std::move(b).template Ret<Buffer_Type>().template Ret<Buffer_Type>()
         .template Ret<Buffer_Type>().Attrs();
   } else {
     return std::move(b).template Ret<Buffer_Type>().Attrs();
   }
 }
-template <typename Coords, bool kStateOut, typename Binding>
+template <typename Coords, int kStateOut, typename Binding>
 auto BindFactorAndResults(Binding&& b) {
   if constexpr (std::is_void_v<Coords>) {
     return BindResults<kStateOut>(std::move(b).template Arg<F32Buffer_Type>());
@@ -117,10 +123,17 @@ auto BindFactorAndResults(Binding&& b) {
 
 template <CallState S, typename Coords, typename Binding>
 auto BindAllReduce(Binding&& context) {
-  constexpr bool kStateOut = S == CallState::kCompensated;
+  // The state's results: none, m1 and m2, or the int8 state's codes and scales.
+  constexpr int kStateOut =
+      S == CallState::kCompensated ? 2 : S == CallState::kCompensatedQ8 ? 4 : 0;
   if constexpr (S == CallState::kNone) {
     return internal::BindFactorAndResults<Coords, kStateOut>(
         std::move(context).template Arg<Buffer_Type>());
+  } else if constexpr (S == CallState::kCompensatedQ8) {
+    return internal::BindFactorAndResults<Coords, kStateOut>(
+        std::move(context).template Arg<Buffer_Type>().template Arg<Buffer_Type>()
+            .template Arg<Buffer_Type>().template Arg<Buffer_Type>()
+            .template Arg<Buffer_Type>());
   } else {
     return internal::BindFactorAndResults<Coords, kStateOut>(
         std::move(context).template Arg<Buffer_Type>().template Arg<Buffer_Type>()

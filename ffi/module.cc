@@ -29,6 +29,7 @@ namespace nb = nanobind;
 XLA_FFI_DECLARE_HANDLER_SYMBOL(echo_allreduce_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(echo_allreduce_comp_cpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(echo_allreduce_applied_cpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(echo_allreduce_comp_q8_cpu);
 
 // (The CUDA handlers live in a second module, echo_jax._ffi_cuda: ffi/module_cuda.cc.)
 
@@ -104,6 +105,7 @@ NB_MODULE(_ffi, m) {
         d["echo_allreduce_cpu"] = EncapsulateFfiHandler(echo_allreduce_cpu);
         d["echo_allreduce_comp_cpu"] = EncapsulateFfiHandler(echo_allreduce_comp_cpu);
         d["echo_allreduce_applied_cpu"] = EncapsulateFfiHandler(echo_allreduce_applied_cpu);
+        d["echo_allreduce_comp_q8_cpu"] = EncapsulateFfiHandler(echo_allreduce_comp_q8_cpu);
         return d;
       },
       "FFI target name -> handler capsule of the CPU handlers (platform 'cpu').");

@@ -407,7 +407,8 @@ def plan_with(transport: base.Transport, config: EchoConfig, *, state_dtype=None
     separate = "none"
     if update == "separate":
         separate = "kernel" if (transport.separate_update and state_dtype
-                                in fused_state_dtypes(transport)) else "jax"
+                                in fused_state_dtypes(transport)
+                                and state_dtype in base.WIDE_STATE_DTYPES) else "jax"
     return CallPlan(transport, call_config, rotation, compensation, update, separate, rescale,
                     reasons)
 
@@ -444,6 +445,11 @@ def call_modes(transport: base.Transport, config: EchoConfig,
             why = f"the call takes no {state_dtype} state"
         elif compensation == "applied" and not has_fused_apply(transport):
             why = "the call has no apply-only variant"
+        elif compensation == "applied" and state_dtype not in base.WIDE_STATE_DTYPES:
+            why = f"the applied call takes no {state_dtype} state"
+        elif state_dtype == "int8" and config.group_size != base.STATE_GROUP:
+            why = (f"the call's int8 state needs group_size {base.STATE_GROUP} (a wire group is "
+                   f"a state group), got {config.group_size}")
         if why is not None:
             compensation = "jax"
             if why:

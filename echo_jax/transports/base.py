@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from echo_jax import _compat
+from echo_jax import compensator as comp
 
 #: Environment variable: seconds a rank waits for a peer before the call fails (default 10);
 #: read by the CPU and the CUDA custom calls alike.
@@ -33,6 +34,45 @@ _PLATFORM_ALIASES = {"cuda": "cuda", "gpu": "cuda", "rocm": "rocm", "cpu": "cpu"
 REINSTALL = "`pip install --force-reinstall --no-deps -e .` in the echo_jax source folder"
 
 
+#: The state dtypes stored a value an element (not the int8 state's codes and scales).
+WIDE_STATE_DTYPES = ("float32", "bfloat16")
+#: Values of the int8 state that share one scale.
+STATE_GROUP = comp.STATE_GROUP
+
+
+def state_arrays(m) -> tuple:
+    """The operands of one state average in a compensated call: (m,), or an int8 state's
+    (codes, scales)."""
+    return (m.codes, m.scales) if isinstance(m, comp.QuantizedMoment) else (m,)
+
+
+def state_codes(m):
+    """The array of one average in x's element count (an int8 state's codes)."""
+    return m.codes if isinstance(m, comp.QuantizedMoment) else m
+
+
+def state_from_arrays(arrays) -> tuple:
+    """`state_arrays` of m1 and m2 undone: (m1, m2) from a call's 2 or 4 state results."""
+    if len(arrays) == 4:
+        return comp.QuantizedMoment(*arrays[:2]), comp.QuantizedMoment(*arrays[2:])
+    return tuple(arrays)
+
+
+def check_quantized_moment(where: str, name: str, m, n: int) -> None:
+    """Raises a ValueError naming `name` unless m is an int8 state average of n values (codes
+    int8 [n] in any shape, scales float32 [ceil(n / STATE_GROUP)])."""
+    groups = comp.num_state_groups(n)
+    codes, scales = m
+    if (jnp.size(codes) != n or jnp.result_type(codes) != jnp.int8
+            or jnp.shape(scales) != (groups,) or jnp.result_type(scales) != jnp.float32):
+        raise ValueError(
+            f"{where}: {name} must be a QuantizedMoment of int8 codes with {n} elements and "
+            f"float32 scales [{groups}], got codes {jnp.result_type(codes)}"
+            f"{list(jnp.shape(codes))} and scales {jnp.result_type(scales)}"
+            f"{list(jnp.shape(scales))}; use the CompensatorState from "
+            "echo_jax.init_state(x, config)")
+
+
 class Transport(abc.ABC):
     """One way to carry out the Echo protocol (the Echo paper Sec. 4): the interface every
     transport implements, as one object (`xla.TRANSPORT`, `cpu.TRANSPORT`, `cuda.TRANSPORT`).
@@ -48,11 +88,13 @@ class Transport(abc.ABC):
     * ``custom_call``: True for the XLA FFI custom calls: x enters the call in its own dtype
       (fp32, bf16, fp16; the call widens it) and nothing around the call needs fp32.
     * ``fused_state_dtypes``: the state dtypes (`EchoConfig.state_dtype`) its
-      `allreduce_compensated` takes; () where it has no fused compensated call.
+      `allreduce_compensated` takes; () where it has no fused compensated call. "int8" (a
+      `compensator.QuantizedMoment` state) only with group_size STATE_GROUP: a wire group is
+      then one state group, whose scale the call sets where it updates the group.
     * ``fused_apply``: whether it has `allreduce_applied` (the apply step alone in the call,
-      `EchoConfig.state_update="separate"`), for the state dtypes above.
+      `EchoConfig.state_update="separate"`), for the state dtypes above in WIDE_STATE_DTYPES.
     * ``separate_update``: whether it has `update_separate`, the separate update as one pass of
-      its own (else the plan runs `compensator.update_beside`, in JAX).
+      its own (else the plan runs `compensator.update_beside`, in JAX), for the same dtypes.
     """
 
     name: ClassVar[str]

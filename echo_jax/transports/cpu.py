@@ -103,14 +103,16 @@ NAME = "p2p"
 TARGET = "echo_allreduce_cpu"
 TARGET_COMPENSATED = "echo_allreduce_comp_cpu"
 TARGET_APPLIED = "echo_allreduce_applied_cpu"
+TARGET_COMPENSATED_Q8 = "echo_allreduce_comp_q8_cpu"
 
 MAX_RANKS = 256
 #: dtypes of the contribution x (and of the sum y): the call reads and writes them itself.
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 POLICY_CODES = policies.CODES  # asym 0, sym 1, asym_naive 2
 
-#: The state dtypes (`EchoConfig.state_dtype`) the fused compensated call takes.
-FUSED_STATE_DTYPES = ("float32", "bfloat16")
+#: The state dtypes (`EchoConfig.state_dtype`) the fused compensated call takes (int8: with
+#: group_size 128, `base.Transport`; the applied call takes the first two).
+FUSED_STATE_DTYPES = ("float32", "bfloat16", "int8")
 
 _lock = threading.Lock()
 _registered: set[str] = set()
@@ -275,15 +277,22 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
                          "float32 first)")
     for name, m in states:
         want = jnp.dtype(config.state_dtype)
-        if jnp.size(m) != shape[0] or jnp.result_type(m) != want:
+        if isinstance(m, comp.QuantizedMoment) and want == jnp.int8:
+            base.check_quantized_moment(where, name, m, shape[0])
+            continue
+        if isinstance(m, comp.QuantizedMoment) or jnp.size(m) != shape[0] or jnp.result_type(m) != want:
             raise ValueError(f"{where}: {name} must be {want} with {shape[0]} elements (x_flat32's "
                              f"size, EchoConfig.state_dtype={config.state_dtype!r} for every dtype "
                              f"of x), got {jnp.result_type(m)}{list(jnp.shape(m))}; use the "
                              "CompensatorState from echo_jax.init_state(x, config)")
-    if states and len({jnp.shape(m) for _, m in states}) != 1:
+    if states and len({jnp.shape(base.state_codes(m)) for _, m in states}) != 1:
         raise ValueError(f"{where}: " + " and ".join(f"{name} {list(jnp.shape(m))}"
                                                      for name, m in states)
                          + " must have one shape (each is updated in place)")
+    if states and config.state_dtype == "int8" and config.group_size != base.STATE_GROUP:
+        raise ValueError(f"{where}: the int8 state needs group_size {base.STATE_GROUP} (a wire "
+                         f"group is a state group), got {config.group_size}; use "
+                         f"group_size={base.STATE_GROUP} or state_dtype='bfloat16'")
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)):
         raise ValueError(f"{where}: num_ranks must be an int, got {num_ranks!r}")
     num_ranks = int(num_ranks)
@@ -357,11 +366,12 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
 
     Args:
       x_flat32: [n] contribution before correction, float32, bfloat16 or float16.
-      m1_flat, m2_flat: the CompensatorState in config.state_dtype (float32 or bfloat16,
-        `FUSED_STATE_DTYPES`), n elements in any shape, returned in that shape (keep the state's
-        own shape: a reshape around an operand updated in place makes XLA copy it in a loop); a
-        bfloat16 one is widened on load and the fp32 update rounded to nearest even on store
-        (`echo_jax.compensator`).
+      m1_flat, m2_flat: the CompensatorState in config.state_dtype (`FUSED_STATE_DTYPES`), n
+        elements in any shape, returned in that shape (keep the state's own shape: a reshape
+        around an operand updated in place makes XLA copy it in a loop); a bfloat16 one is
+        widened on load and the fp32 update rounded to nearest even on store; an int8 one
+        (`compensator.QuantizedMoment`, group_size 128) read as codes times their group's
+        scale and stored a group at a time with a new scale (`echo_jax.compensator`).
       axis, num_ranks, config, factor: as `allreduce`; the factor multiplies x' (after the
         apply step) and divides the sum before the update, so the state stays in x's units.
 
@@ -375,18 +385,21 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     _register(base.current_platform())
     n = jnp.shape(x_flat32)[0]
     y_type = jax.ShapeDtypeStruct((n,), x_flat32.dtype)
-    m_type = jax.ShapeDtypeStruct(jnp.shape(m1_flat), jnp.result_type(m1_flat))
-    call = jax.ffi.ffi_call(TARGET_COMPENSATED, (y_type, m_type, m_type), vmap_method="sequential",
-                            input_output_aliases={1: 1, 2: 2})
+    # The state's arrays (an int8 state's codes and scales), each updated in place.
+    state = list(base.state_arrays(m1_flat)) + list(base.state_arrays(m2_flat))
+    types = tuple(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in state)
+    target = TARGET_COMPENSATED_Q8 if len(state) == 4 else TARGET_COMPENSATED
+    call = jax.ffi.ffi_call(target, (y_type,) + types, vmap_method="sequential",
+                            input_output_aliases={i + 1: i + 1 for i in range(len(state))})
     f32 = np.float32
     coords = _coords(axis)
-    y, m1, m2 = call(x_flat32, m1_flat, m2_flat, coords, factor_operand(factor, coords), **attrs,
-                     ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2),
-                     c2=f32(k.c2), inv_p=f32(1.0 / int(num_ranks)))
+    y, *new = call(x_flat32, *state, coords, factor_operand(factor, coords), **attrs,
+                   ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2),
+                   c2=f32(k.c2), inv_p=f32(1.0 / int(num_ranks)))
     # ffi_call results are typed invariant; type them as the xla transport's are.
-    varying = frozenset().union(*(_compat.varying_axes(o) for o in (x_flat32, m1_flat, m2_flat)))
-    return (_compat.to_varying(y, varying - {axis}), _compat.to_varying(m1, varying),
-            _compat.to_varying(m2, varying))
+    varying = frozenset().union(*(_compat.varying_axes(o) for o in [x_flat32] + state))
+    new = [_compat.to_varying(a, varying) for a in new]
+    return (_compat.to_varying(y, varying - {axis}),) + base.state_from_arrays(new)
 
 
 def allreduce_applied(x_flat32, m1_flat, m2_flat, axis, num_ranks: int, config: EchoConfig,
@@ -442,7 +455,7 @@ class CpuTransport(base.CustomCallTransport):
 #: This transport, as the object the call plan holds.
 TRANSPORT = CpuTransport(sys.modules[__name__])
 
-__all__ = ["TRANSPORT", "CpuTransport", "NAME", "unavailable", "unavailable_reason", "module_reason", "limit_reason",
+__all__ = ["TRANSPORT", "CpuTransport", "NAME", "TARGET_COMPENSATED_Q8", "unavailable", "unavailable_reason", "module_reason", "limit_reason",
            "allreduce", "allreduce_compensated", "allreduce_applied", "fused_rotation",
            "FUSED_STATE_DTYPES",
            "available_platforms", "debug_absent_rank", "debug_failing_rank", "factor_operand",

@@ -411,13 +411,14 @@ def test_compensated_state_updated_in_place_under_donation():
         assert_same_bits(a, b, name)
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
 def test_compensated_sites_in_a_scan_update_the_state_without_copies(state_dtype):
     """A model's pass: a scan over compensated sites, the state as the carry, an N-D
     contribution. The compiled loop runs the fused call once a site and no copy of the state: the
     call updates m1, m2 in place in the carry's buffers. (With the state reshaped to a flat array
     around the call, XLA copied m1 and m2 before and after every call: four copies a site, more
-    memory traffic than the fused update itself.) The sums equal the xla transport's."""
+    memory traffic than the fused update itself.) The sums and the states equal the xla
+    transport's (the int8 state: its codes and scales, in their own call)."""
     num_ranks, sites, shape = 4, 5, (6, 256)
     mesh = mesh_of((num_ranks,), ("tp",))
     xs = put(jax.random.normal(jax.random.key(11), (num_ranks, sites) + shape), mesh, P("tp"))
@@ -427,24 +428,25 @@ def test_compensated_sites_in_a_scan_update_the_state_without_copies(state_dtype
 
         def per_rank(x):
             s0 = ej.init_state(x[0, 0], cfg)
-            s0 = comp.CompensatorState(*(as_varying(m, ("tp",)) for m in s0))
+            s0 = jax.tree.map(lambda m: as_varying(m, ("tp",)), s0)
 
             def site(s, xk):
                 y, s = ej.echo_psum(xk, "tp", config=cfg, state=s, rescale=False)
                 return s, as_varying(y, ("tp",))
             s, ys = lax.scan(site, s0, x[0])
-            return ys[None], s.m1[None], s.m2[None]
+            return ys[None], *(jax.tree.map(lambda a: a[None], m) for m in s)
         return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P("tp"),
                                      out_specs=(P("tp"),) * 3))
 
     compiled = program("p2p").lower(xs).compile()
     text = compiled.as_text()
-    target = f'custom_call_target="{cpu.TARGET_COMPENSATED}"'
+    name = cpu.TARGET_COMPENSATED_Q8 if state_dtype == "int8" else cpu.TARGET_COMPENSATED
+    target = f'custom_call_target="{name}"'
     loop = [c for c in re.split(r"\n(?=\S)", text) if target in c]
     assert len(loop) == 1, "the fused call is not in exactly one computation (the loop body)"
     body = loop[0]
     assert body.count(target) == 1
-    state_type = {"float32": "f32", "bfloat16": "bf16"}[state_dtype]
+    state_type = {"float32": "f32", "bfloat16": "bf16", "int8": "(?:s8|f32)"}[state_dtype]
     copies = [ln.strip() for ln in body.splitlines()
               if re.search(rf"= {state_type}\[[\d,]*\][^=]*\bcopy\(", ln)
               or re.search(r"= \S+ fusion\(.*calls=%\S*copy", ln)]
@@ -457,7 +459,9 @@ def test_compensated_sites_in_a_scan_update_the_state_without_copies(state_dtype
             assert not re.search(r"ROOT \S+ = \S+ copy\(", comp_text), \
                 f"{name}, called from the loop body, is a copy: {comp_text[:300]}"
     got, want = compiled(xs), program("xla")(xs)
-    for a, b, what in zip(got, want, ("y", "m1", "m2")):
+    names = ("y", "m1", "m2") if state_dtype != "int8" else ("y", "m1 codes", "m1 scales",
+                                                             "m2 codes", "m2 scales")
+    for a, b, what in zip(jax.tree.leaves(got), jax.tree.leaves(want), names, strict=True):
         assert_same_bits(a, b, what)
 
 

@@ -1,11 +1,12 @@
 """`EchoConfig.state_dtype="int8"`: the compensator state as 8-bit codes with a per-group scale.
 
 Checked against a NumPy reference written here from the format's definition (compensator module
-docstring): per group of 128 consecutive values of a rank's flattened average, s = max|v| / 127
-rounded to fp32, q = rne(v * fp32(1 / s)) clipped to +-127, read back as fp32(q * s); Algorithm 1
-(Eqs. 4, 10, 11) in fp32 on the values read back. Also: zero and non-finite groups, init_state /
-check_state, the plan (no custom call takes an int8 state: it runs in JAX around the call), and a
-scan carry.
+docstring): per group of 128 consecutive values of a rank's flattened average,
+s = max|v| * fp32(1/127) rounded to fp32, q = rne(v * fp32(1 / s)) clipped to +-127, read back as
+fp32(q * s); Algorithm 1 (Eqs. 4, 10, 11) in fp32 on the values read back. Also: zero and
+non-finite groups, init_state / check_state, the plan (the CPU custom call fuses it with
+group_size 128; elsewhere it runs in JAX around the call), the CPU call bit for bit against the
+JAX path, and a scan carry.
 """
 
 import jax
@@ -17,6 +18,7 @@ from jax import lax
 import echo_jax as ej
 from echo_jax import compensator as comp
 from echo_jax import transports
+from conftest import as_varying
 from np_reference import coefficients
 
 F32 = np.float32
@@ -32,7 +34,7 @@ def ref_quantize(v):
     g[:n] = v
     g = g.reshape(groups, 128)
     amax = np.abs(g.astype(np.float64)).max(axis=1)
-    scale = (amax / 127.0).astype(F32)          # one rounding of the exact quotient
+    scale = (amax * np.float64(F32(1 / 127))).astype(F32)  # one rounding of the exact product
     with np.errstate(divide="ignore", invalid="ignore"):
         inv = np.where(scale > 0, (1.0 / scale.astype(np.float64)).astype(F32), F32(0))
     prod = (g.astype(np.float64) * inv[:, None].astype(np.float64)).astype(F32)
@@ -48,7 +50,9 @@ def ref_read(q, scale):
 
 def test_the_format_matches_the_numpy_reference():
     rng = np.random.default_rng(0)
-    for n in (1, 127, 128, 300, 1000):
+    # 20000 values: 157 groups, enough that a scale rounded another way (the quotient
+    # max|v| / 127) differs in some group.
+    for n in (1, 127, 128, 300, 1000, 20000):
         v = (rng.standard_normal(n) * rng.choice([1e-6, 1.0, 3e4], size=n)).astype(F32)
         q, s = comp.quantize_state(jnp.asarray(v))
         rq, rs = ref_quantize(v)
@@ -116,10 +120,82 @@ def test_one_call_matches_algorithm_1_with_the_int8_store():
                                           rs.view(np.uint32))
 
 
-def test_no_custom_call_takes_it_yet():
-    for t in (transports.CPU, transports.CUDA):
-        rotation, compensation, reasons = transports.call_modes(t, INT8, "int8")
-        assert compensation == "jax" and any("no int8 state" in r for r in reasons)
+def test_the_plan_fuses_it_where_a_wire_group_is_a_state_group():
+    rotation, compensation, reasons = transports.call_modes(transports.CPU, INT8, "int8")
+    assert compensation == "fused" and not reasons
+    for cfg, why in ((INT8.replace(group_size=64), "int8 state needs group_size 128"),
+                     (INT8.replace(state_update="separate"), "applied call takes no int8")):
+        rotation, compensation, reasons = transports.call_modes(transports.CPU, cfg, "int8")
+        assert compensation == "jax" and any(why in r for r in reasons), reasons
+    # The CUDA kernels take no int8 state: the compensator runs in JAX around their call.
+    rotation, compensation, reasons = transports.call_modes(transports.CUDA, INT8, "int8")
+    assert compensation == "jax" and any("no int8 state" in r for r in reasons)
+
+
+def _sites_under_shard_map(cfg, xs, steps):
+    """`steps` compensated echo_psum calls in a row on the rows of xs [P, n] (x times 2^-step:
+    exact, so that XLA cannot fuse the product into the JAX path's apply step, where the call
+    takes it rounded), the int8 state carried; returns ((ys [P, steps, n], state), program)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    nranks = xs.shape[0]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:nranks]), ("tp",))
+    rows = PartitionSpec("tp")
+
+    def body(x):
+        s = ej.init_state(x[0], cfg)
+        ys = []
+        for i in range(steps):
+            y, s = ej.echo_psum(x[0] * 2.0 ** -i, "tp", config=cfg, state=s)
+            ys.append(as_varying(y, ("tp",)))
+        return jnp.stack(ys)[None], jax.tree.map(lambda a: a[None], s)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=rows, out_specs=rows))
+    return f(jax.device_put(xs, NamedSharding(mesh, rows))), f
+
+
+@pytest.mark.parametrize("dtype, rotation", [(jnp.float32, "none"), (jnp.bfloat16, "hadamard")],
+                         ids=["f32", "bf16-rotated"])
+def test_the_cpu_call_matches_the_jax_path_bit_for_bit(dtype, rotation):
+    """The fused CPU call with the int8 state (one wire group a state group) against the same
+    sites on the xla transport (Algorithm 1 in JAX, checked against NumPy above): the sums and
+    every code and scale of both averages, over three sites, rescaled (echo_psum's default), a
+    short last group (n = 300) and a group holding a NaN, which poisons its scale."""
+    n = 300
+    xs = np.asarray(jax.random.normal(jax.random.key(5), (4, n)), np.float32) * 3
+    xs[1, 140] = np.nan  # rank 1's second group: its sums are NaN, its state groups NaN
+    xs = jnp.asarray(xs).astype(dtype)
+    cfg = INT8.replace(transport="p2p", rotation=rotation)
+    (y_call, s_call), f = _sites_under_shard_map(cfg, xs, 3)
+    assert "echo_allreduce_comp_q8_cpu" in f.lower(xs).as_text()
+    (y_ref, s_ref), _ = _sites_under_shard_map(cfg.replace(transport="xla"), xs, 3)
+    both_nan = np.isnan(np.asarray(y_call, F32)) & np.isnan(np.asarray(y_ref, F32))
+    np.testing.assert_array_equal(np.where(both_nan, 0, np.asarray(y_call, F32)),
+                                  np.where(both_nan, 0, np.asarray(y_ref, F32)))
+    assert both_nan.any()
+    for got, want in zip(jax.tree.leaves(s_call), jax.tree.leaves(s_ref), strict=True):
+        got, want = np.asarray(got), np.asarray(want)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        if got.dtype == np.float32:  # scales: a NaN group's scale is NaN on both
+            assert np.array_equal(np.isnan(got), np.isnan(want))
+            got, want = np.where(np.isnan(got), 0, got), np.where(np.isnan(want), 0, want)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        else:
+            np.testing.assert_array_equal(got, want)
+    assert np.isnan(np.asarray(s_call.m1.scales)).any()
+
+
+def test_the_explicit_call_names_what_to_fix():
+    from echo_jax.transports import cpu
+    x = jnp.zeros((256,), jnp.float32)
+    st = ej.init_state(x, INT8)
+    with pytest.raises(ValueError, match=r"int8 state needs group_size 128.*got 64"):
+        jax.vmap(lambda v: cpu.allreduce_compensated(v, st.m1, st.m2, "tp", 1,
+                                                     INT8.replace(group_size=64)),
+                 axis_name="tp")(x[None])
+    bad = ej.QuantizedMoment(st.m1.codes, st.m1.scales[:1])
+    with pytest.raises(ValueError, match=r"m1_flat must be a QuantizedMoment .* scales \[2\]"):
+        jax.vmap(lambda v: cpu.allreduce_compensated(v, bad, st.m2, "tp", 1, INT8),
+                 axis_name="tp")(x[None])
 
 
 def test_a_scan_over_sites_keeps_the_int8_state():
