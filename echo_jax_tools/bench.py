@@ -65,7 +65,7 @@ from echo_jax_tools import projection
 #: Rows of `bench allreduce`, in the order they are run and printed.
 ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-rot", "p2p4-rescale", "p2p4-comp-unfused",
         "p2p4-comp-fused", "p2p4-comp-separate", "p2p4-comp-fused-bf16state",
-        "p2p4-comp-fused-rot")
+        "p2p4-comp-fused-int8state", "p2p4-comp-fused-rot")
 
 ROW_LABELS = {
     "psum": "lax.psum (16-bit baseline)",
@@ -79,6 +79,7 @@ ROW_LABELS = {
     "p2p4-comp-separate": "4-bit + compensator, apply fused, update as its own op "
                           "(state_update='separate')",
     "p2p4-comp-fused-bf16state": "4-bit + compensator fused, bf16 state (state_dtype='bfloat16')",
+    "p2p4-comp-fused-int8state": "4-bit + compensator fused, int8 state (state_dtype='int8')",
     "p2p4-rot": "4-bit, Hadamard rotation (rotation='hadamard')",
     "p2p4-comp-fused-rot": "4-bit + compensator fused, Hadamard rotation",
 }
@@ -259,6 +260,7 @@ def _configs():
             "p2p4": ej.EchoConfig(bits=4, transport="p2p"),
             "comp": ej.EchoConfig(bits=4, transport="p2p"),
             "comp-bf16state": ej.EchoConfig(bits=4, transport="p2p", state_dtype="bfloat16"),
+            "comp-int8state": ej.EchoConfig(bits=4, transport="p2p", state_dtype="int8"),
             "comp-separate": ej.EchoConfig(bits=4, transport="p2p", state_update="separate"),
             "p2p4-rot": ej.EchoConfig(bits=4, transport="p2p", rotation="hadamard")}
 
@@ -302,6 +304,14 @@ def _mesh_rows(mesh, ranks: int):
                               rescale=False)
         return y, new.m1, new.m2
 
+    def fused_int8(x, m1, m2):
+        # A rank's block of the int8 state: codes [1, n], scales [1, groups] -> [groups].
+        state = comp.CompensatorState(*(comp.QuantizedMoment(m.codes, m.scales[0])
+                                        for m in (m1, m2)))
+        y, new = ej.echo_psum(x, "tp", config=cfgs["comp-int8state"], state=state,
+                              rescale=False)
+        return (y,) + tuple(comp.QuantizedMoment(m.codes, m.scales[None]) for m in new)
+
     rows = {"psum": (wrap(lambda x: lax.psum(x[0], "tp")[None], 1, 1), None)}
     for name in ("xla8", "xla4", "p2p8", "p2p4", "p2p4-rot"):
         rows[name] = (plain(cfgs[name]), None)
@@ -314,6 +324,8 @@ def _mesh_rows(mesh, ranks: int):
     rows["p2p4-comp-fused"] = (lambda v: f_fused(*v), "float32")
     rows["p2p4-comp-separate"] = (lambda v: f_separate(*v), "float32")
     rows["p2p4-comp-fused-bf16state"] = (lambda v: f_fused_bf16(*v), "bfloat16")
+    f_fused_int8 = wrap(fused_int8, 3, 3)
+    rows["p2p4-comp-fused-int8state"] = (lambda v: f_fused_int8(*v), "int8")
     rows["p2p4-comp-fused-rot"] = (lambda v: f_fused_rot(*v), "float32")
     return rows
 
@@ -359,9 +371,20 @@ def _virtual_rows(ranks: int):
                                   "float32")
     rows["p2p4-comp-fused-bf16state"] = (
         jax.jit(functools.partial(fused, cfg=wire["comp-bf16state"])), "bfloat16")
+    rows["p2p4-comp-fused-int8state"] = (
+        jax.jit(functools.partial(fused, cfg=wire["comp-int8state"])), "int8")
     rows["p2p4-comp-fused-rot"] = (jax.jit(functools.partial(fused, cfg=wire["p2p4-rot"])),
                                    "float32")
     return rows
+
+
+@functools.partial(jax.jit, static_argnames="state_dtype")
+def stored_state(m, state_dtype: str):
+    """A state average m [P, n] (fp32) in a row's state format: the dtype, or the int8 state's
+    codes [P, n] and scales [P, groups] (`compensator.quantize_state` per rank)."""
+    if state_dtype == "int8":
+        return comp.QuantizedMoment(*jax.vmap(comp.quantize_state)(m))
+    return m.astype(state_dtype)
 
 
 def with_next_matmul(fn, compensated: bool, w):
@@ -451,7 +474,10 @@ def bench_allreduce(args) -> dict:
         check = jax.jit(_compare)
         example = jax.ShapeDtypeStruct((ranks, 1024), dtype, sharding=sharding)
         def example_c(state_dtype):
-            m = jax.ShapeDtypeStruct((ranks, 1024), state_dtype, sharding=sharding)
+            m = jax.eval_shape(functools.partial(stored_state, state_dtype=state_dtype),
+                               jax.ShapeDtypeStruct((ranks, 1024), jnp.float32))
+            m = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                            sharding=sharding), m)
             return (example, m, m)
 
         for name in wanted:
@@ -501,8 +527,10 @@ def bench_allreduce(args) -> dict:
                     continue
                 fn, state_dtype = table[name]
                 compensated = state_dtype is not None
-                # A bf16-state row starts from the same state, rounded (outside the timing).
-                st = [a.astype(state_dtype) for a in (m1, m2, zeros)] if compensated else None
+                # A bf16 / int8-state row starts from the same state, stored in its format
+                # (outside the timing).
+                st = ([stored_state(a, state_dtype) for a in (m1, m2, zeros)] if compensated
+                      else None)
                 inp = (x, st[0], st[1]) if compensated else x
                 stats = time_op_stats(fn, inp, args.iters, args.repeats, args.warmup,
                                       carry_state=compensated)
@@ -588,7 +616,8 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     ((P-1)/P), written by the gather into every rank's slot (1) and read by the tail ((P-1)/P):
     w (3 (P-1)/P + 1). The compensated rows add the state: m1, m2 read where x' is formed,
     x, m1, m2 read again and m1, m2 written where y is produced (6 s + itemsize for an s-byte
-    state value: 24 + itemsize in fp32, 12 + itemsize in bf16); the separate update also reads
+    state value: 24 + itemsize in fp32, 12 + itemsize in bf16, 6.19 + itemsize in int8 with
+    its scales); the separate update also reads
     y (one more itemsize). The rescaled
     row reads x once more for its max (itemsize). psum (a local reduction of the P rows under
     vmap here) reads and writes each row once. The "xla" rows run
@@ -600,7 +629,10 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     w = projection.wire_bytes_per_element(bits)
     per_element = 2 * itemsize + w * (3 * (ranks - 1) / ranks + 1)
     if "comp" in row:
-        per_element += 6 * (2 if row.endswith("bf16state") else 4) + itemsize
+        # int8: a byte a value and a 4-byte scale a 128 values
+        state = 2 if row.endswith("bf16state") else 1 + 4 / 128 if row.endswith(
+            "int8state") else 4
+        per_element += 6 * state + itemsize
     if "separate" in row:
         per_element += itemsize
     if "rescale" in row:

@@ -22,6 +22,8 @@ XLA_FFI_Error* echo_allreduce_virtual_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* echo_allreduce_virtual_comp_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* echo_allreduce_applied_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* echo_allreduce_virtual_applied_cuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* echo_allreduce_comp_q8_cuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* echo_allreduce_virtual_comp_q8_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* echo_quantize_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* echo_dequantize_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* echo_state_update_cuda(XLA_FFI_CallFrame*);
@@ -42,6 +44,8 @@ NB_MODULE(_ffi_cuda, m) {
     d["echo_allreduce_virtual_comp_cuda"] = encapsulate(echo_allreduce_virtual_comp_cuda);
     d["echo_allreduce_applied_cuda"] = encapsulate(echo_allreduce_applied_cuda);
     d["echo_allreduce_virtual_applied_cuda"] = encapsulate(echo_allreduce_virtual_applied_cuda);
+    d["echo_allreduce_comp_q8_cuda"] = encapsulate(echo_allreduce_comp_q8_cuda);
+    d["echo_allreduce_virtual_comp_q8_cuda"] = encapsulate(echo_allreduce_virtual_comp_q8_cuda);
     d["echo_quantize_cuda"] = encapsulate(echo_quantize_cuda);
     d["echo_dequantize_cuda"] = encapsulate(echo_dequantize_cuda);
     d["echo_state_update_cuda"] = encapsulate(echo_state_update_cuda);

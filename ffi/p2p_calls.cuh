@@ -34,11 +34,48 @@ ffi::ErrorOr<int> stream_device(cudaStream_t stream) {
   return device;
 }
 
+// The int8 state's scales (EchoConfig.state_dtype = "int8"): the operands s1, s2 of m1, m2 and
+// their results (updated in place), f32, one a kStateGroup values of each rank's n.
+struct StateScales {
+  ffi::AnyBuffer s1, s2;
+  float* s1_out;
+  float* s2_out;
+};
+
+int64_t state_groups(int64_t n) { return (n + kStateGroup - 1) / kStateGroup; }
+
+// The int8 state: m1, m2 int8 codes with x's element count, s1, s2 their scales; sets
+// at.state_q8.
+ffi::Error check_q8_state(const ffi::AnyBuffer& x, const ffi::AnyBuffer& m1,
+                          const ffi::AnyBuffer& m2, const StateScales& q, int64_t rows,
+                          CallAttrs& at) {
+  const int64_t groups = rows * state_groups(static_cast<int64_t>(x.element_count()) / rows);
+  for (const ffi::AnyBuffer* m : {&m1, &m2})
+    if (m->element_type() != ffi::DataType::S8 || m->element_count() != x.element_count())
+      return ffi::Error::InvalidArgument(
+          "echo_jax p2p (CUDA): the int8 state's codes must be int8 with x's " +
+          std::to_string(x.element_count()) + " elements, got dtype code " +
+          std::to_string(static_cast<int>(m->element_type())) + " and " +
+          std::to_string(m->element_count()) + " elements");
+  for (const ffi::AnyBuffer* s : {&q.s1, &q.s2})
+    if (s->element_type() != ffi::DataType::F32 ||
+        static_cast<int64_t>(s->element_count()) != groups)
+      return ffi::Error::InvalidArgument(
+          "echo_jax p2p (CUDA): the int8 state's scales must be float32, " +
+          std::to_string(groups) + " of them (one a " + std::to_string(kStateGroup) +
+          " values), got " + std::to_string(s->element_count()));
+  at.state_q8 = true;
+  return ffi::Error::Success();
+}
+
 // The compensated call's state: m1, m2 both fp32 or both bf16 (EchoConfig.state_dtype), each
-// with x's element count; sets at.state_bf16. Nothing to check without a state.
+// with x's element count; sets at.state_bf16; or the int8 state (q given: check_q8_state).
+// Nothing to check without a state.
 ffi::Error check_state(const ffi::AnyBuffer& x, const std::optional<ffi::AnyBuffer>& m1,
-                       const std::optional<ffi::AnyBuffer>& m2, CallAttrs& at) {
+                       const std::optional<ffi::AnyBuffer>& m2, CallAttrs& at,
+                       const StateScales* q = nullptr, int64_t rows = 1) {
   if (!m1.has_value()) return ffi::Error::Success();
+  if (q != nullptr) return check_q8_state(x, *m1, *m2, *q, rows, at);
   const ffi::DataType t1 = m1->element_type(), t2 = m2->element_type();
   if (t1 != t2 || (t1 != ffi::DataType::F32 && t1 != ffi::DataType::BF16))
     return ffi::Error::InvalidArgument(
@@ -54,14 +91,29 @@ ffi::Error check_state(const ffi::AnyBuffer& x, const std::optional<ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// The int8 state's scales as the kernels update them: the results, in place (a copy of the
+// operands first where XLA did not alias them).
+void use_q8_scales(const StateScales& q, cudaStream_t stream, CallAttrs& at) {
+  if (q.s1_out != q.s1.untyped_data()) {
+    cudaMemcpyAsync(q.s1_out, q.s1.untyped_data(), q.s1.size_bytes(), cudaMemcpyDeviceToDevice,
+                    stream);
+    cudaMemcpyAsync(q.s2_out, q.s2.untyped_data(), q.s2.size_bytes(), cudaMemcpyDeviceToDevice,
+                    stream);
+  }
+  at.s1 = q.s1_out;
+  at.s2 = q.s2_out;
+}
+
 // m1_out, m2_out: the compensated call's results (updated in place); nullptr with a state: the
 // applied call (at.update false), whose kernels only read m1, m2.
+// q: the int8 state's scales (m1, m2 its codes), or nullptr.
 ffi::Error RankImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi::AnyBuffer> m1,
                     std::optional<ffi::AnyBuffer> m2, ffi::Result<ffi::AnyBuffer> y,
-                    void* m1_out, void* m2_out, CallAttrs at, ffi::Span<const int64_t> groups) {
+                    void* m1_out, void* m2_out, CallAttrs at, ffi::Span<const int64_t> groups,
+                    const StateScales* q = nullptr) {
   ffi::Error err = check_attrs(at);
   if (err.failure()) return err;
-  err = check_state(x, m1, m2, at);
+  err = check_state(x, m1, m2, at, q);
   if (err.failure()) return err;
   ffi::ErrorOr<int> dev = stream_device(stream);
   if (dev.has_error()) return dev.error();
@@ -124,6 +176,7 @@ ffi::Error RankImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi::An
     cudaMemcpyAsync(m1_out, m1->untyped_data(), m1->size_bytes(), cudaMemcpyDeviceToDevice, stream);
     cudaMemcpyAsync(m2_out, m2->untyped_data(), m2->size_bytes(), cudaMemcpyDeviceToDevice, stream);
   }
+  if (q != nullptr) use_q8_scales(*q, stream, at);
   if (m1.has_value())
     return run_rank_dtype<true>(x.element_type(), *grp, rank, stream, at, x.untyped_data(),
                                 y->untyped_data(), pm1, pm2, n, 1);
@@ -135,18 +188,19 @@ ffi::Error RankImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi::An
 
 ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi::AnyBuffer> m1,
                        std::optional<ffi::AnyBuffer> m2, ffi::Result<ffi::AnyBuffer> y,
-                       void* m1_out, void* m2_out, CallAttrs at, int absent_rank) {
+                       void* m1_out, void* m2_out, CallAttrs at, int absent_rank,
+                       const StateScales* q = nullptr) {
   ffi::Error err = check_attrs(at);
   if (err.failure()) return err;
-  err = check_state(x, m1, m2, at);
-  if (err.failure()) return err;
-  ffi::ErrorOr<int> dev = stream_device(stream);
-  if (dev.has_error()) return dev.error();
-  const int device = dev.value();
   const auto dims = x.dimensions();
   if (dims.size() != 2 || dims[0] != at.P)
     return ffi::Error::InvalidArgument("echo_jax p2p (CUDA, virtual ranks): x must be [P, n] with "
                                        "P = num_ranks = " + std::to_string(at.P));
+  err = check_state(x, m1, m2, at, q, at.P);  // the int8 state: scales [P, groups of a row]
+  if (err.failure()) return err;
+  ffi::ErrorOr<int> dev = stream_device(stream);
+  if (dev.has_error()) return dev.error();
+  const int device = dev.value();
   const int64_t n = dims[1];
   Group* grp = get_group("virtual:" + std::to_string(device) + ":" + std::to_string(at.P));
   {
@@ -179,7 +233,7 @@ ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi:
     if (err.failure()) return err;
   }
   const size_t esize = ffi::ByteWidth(x.element_type());
-  const size_t ssize = at.state_bf16 ? 2 : 4;  // bytes of a state value
+  const size_t ssize = at.state_q8 ? 1 : at.state_bf16 ? 2 : 4;  // bytes of a state value
   at.update = m1_out != nullptr;  // with a state and no results: the applied call, m1, m2 read
   if (m1.has_value() && !at.update) {
     m1_out = m1->untyped_data();
@@ -189,6 +243,7 @@ ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi:
     cudaMemcpyAsync(m1_out, m1->untyped_data(), m1->size_bytes(), cudaMemcpyDeviceToDevice, stream);
     cudaMemcpyAsync(m2_out, m2->untyped_data(), m2->size_bytes(), cudaMemcpyDeviceToDevice, stream);
   }
+  if (q != nullptr) use_q8_scales(*q, stream, at);
   // One kernel for every rank (see run_rank): the fast stages only when every row is aligned.
   const bool fast_ok = aligned16(x.untyped_data()) && aligned16(y->untyped_data()) &&
                        (n * esize) % 16 == 0 &&
@@ -203,8 +258,13 @@ ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi:
     ECHO_CUDA_RETURN(cudaStreamWaitEvent(grp->streams[r], grp->fork, 0), "fork wait");
     const char* xr = static_cast<const char*>(x.untyped_data()) + r * n * esize;
     char* yr = static_cast<char*>(y->untyped_data()) + r * n * esize;
+    CallAttrs ar = at;  // the int8 state: rank r's row of scales
+    if (q != nullptr) {
+      ar.s1 = at.s1 + r * state_groups(n);
+      ar.s2 = at.s2 + r * state_groups(n);
+    }
     if (m1.has_value())
-      err = run_rank_dtype<true>(x.element_type(), *grp, r, grp->streams[r], at, xr, yr,
+      err = run_rank_dtype<true>(x.element_type(), *grp, r, grp->streams[r], ar, xr, yr,
                                  static_cast<char*>(m1_out) + r * n * ssize,
                                  static_cast<char*>(m2_out) + r * n * ssize, n, at.P, fast_ok);
     else

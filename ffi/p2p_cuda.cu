@@ -13,7 +13,9 @@
 // goes to memory) and the update of m1/m2 runs where y is produced (reduce for the own segment,
 // tail for the others), overlapped with the transfers of the other tiles, in place. The state
 // is fp32 or bf16 (EchoConfig.state_dtype; KernelArgs::state_bf16): a bf16 m1, m2 is widened on
-// load and the fp32 update rounded to nearest even on store, the bits of echo_jax.compensator.
+// load and the fp32 update rounded to nearest even on store, the bits of echo_jax.compensator;
+// or int8 codes with a scale a 128 values (the fast stages with g = 128 only): read as code times
+// scale, and a group's scale and codes set where its new values are (FastStages::kStateQ8).
 // The rescaling's factor (Sec. 5.4; an f32[1] operand, 1 when not rescaled) multiplies x' in the
 // entry loads and divides y before its store and the state update (exact powers of two).
 // The Hadamard rotation (attribute rotate = 1; EchoConfig.rotation = "hadamard") rotates every
@@ -87,18 +89,20 @@ template <Ranks R>
 ffi::Error run_call(cudaStream_t stream, const Dictionary_Type& attrs, Coefficients which,
                     ffi::AnyBuffer x, std::optional<ffi::AnyBuffer> m1,
                     std::optional<ffi::AnyBuffer> m2, const F32Buffer_Type& factor,
-                    ffi::Result<ffi::AnyBuffer> y, void* m1_out, void* m2_out) {
+                    ffi::Result<ffi::AnyBuffer> y, void* m1_out, void* m2_out,
+                    const StateScales* q = nullptr) {
   ECHO_FFI_ASSIGN_OR_RETURN(const CallAttrs at, read_attrs(attrs, which, factor));
   if constexpr (R == Ranks::kDevice) {
     ECHO_FFI_ASSIGN_OR_RETURN(const ffi::Span<const int64_t> groups,
                               GetAttr<ffi::Span<const int64_t>>(attrs, "groups", kWhere));
-    return RankImpl(stream, x, m1, m2, y, m1_out, m2_out, at, groups);
+    return RankImpl(stream, x, m1, m2, y, m1_out, m2_out, at, groups, q);
   } else {
     int64_t absent_rank = -1;
     if (!m1.has_value()) {
       ECHO_FFI_ASSIGN_OR_RETURN(absent_rank, GetAttr<int64_t>(attrs, "absent_rank", kWhere));
     }
-    return VirtualImpl(stream, x, m1, m2, y, m1_out, m2_out, at, static_cast<int>(absent_rank));
+    return VirtualImpl(stream, x, m1, m2, y, m1_out, m2_out, at, static_cast<int>(absent_rank),
+                       q);
   }
 }
 
@@ -119,6 +123,22 @@ ffi::Error compensated_call(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
                             ffi::Result<ffi::AnyBuffer> m2_out, Dictionary_Type attrs) {
   return run_call<R>(stream, attrs, Coefficients::kAll, x, m1, m2, factor, y,
                      m1_out->untyped_data(), m2_out->untyped_data());
+}
+
+// The compensated call with the int8 state (EchoConfig.state_dtype = "int8"): m1, m2 are int8
+// codes with the f32 scales s1, s2, all four updated in place.
+template <Ranks R>
+ffi::Error compensated_q8_call(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer m1,
+                               ffi::AnyBuffer s1, ffi::AnyBuffer m2, ffi::AnyBuffer s2,
+                               F32Buffer_Type factor, ffi::Result<ffi::AnyBuffer> y,
+                               ffi::Result<ffi::AnyBuffer> m1_out,
+                               ffi::Result<ffi::AnyBuffer> s1_out,
+                               ffi::Result<ffi::AnyBuffer> m2_out,
+                               ffi::Result<ffi::AnyBuffer> s2_out, Dictionary_Type attrs) {
+  const StateScales q{s1, s2, static_cast<float*>(s1_out->untyped_data()),
+                      static_cast<float*>(s2_out->untyped_data())};
+  return run_call<R>(stream, attrs, Coefficients::kAll, x, m1, m2, factor, y,
+                     m1_out->untyped_data(), m2_out->untyped_data(), &q);
 }
 
 template <Ranks R>
@@ -153,3 +173,4 @@ auto bind_call() {
 ECHO_CUDA_HANDLERS(, plain_call, kNone);
 ECHO_CUDA_HANDLERS(comp_, compensated_call, kCompensated);
 ECHO_CUDA_HANDLERS(applied_, applied_call, kApplied);
+ECHO_CUDA_HANDLERS(comp_q8_, compensated_q8_call, kCompensatedQ8);

@@ -45,12 +45,25 @@ void (*fast_compensated_kernel(const CallAttrs& at))(KernelArgs) {
                    : fast_kernel_for_bits<T, true, false, S, UPDATE>(at.bits, at.g);
 }
 
+// The fast instance of a compensated call with the int8 state: g = kStateGroup only (a wire
+// group is a state group), the update in the call; nullptr otherwise.
+template <typename T>
+void (*fast_q8_kernel(const CallAttrs& at))(KernelArgs) {
+  if (at.g != kStateGroup || !at.update) return nullptr;
+  if (at.rotate)
+    return at.bits == 4 ? fast_kernel_for<T, true, true, int8_t, true, 4, kStateGroup>(at.g)
+                        : fast_kernel_for<T, true, true, int8_t, true, 8, kStateGroup>(at.g);
+  return at.bits == 4 ? fast_kernel_for<T, true, false, int8_t, true, 4, kStateGroup>(at.g)
+                      : fast_kernel_for<T, true, false, int8_t, true, 8, kStateGroup>(at.g);
+}
+
 // The fast instance for a call: rotated or not, and for a compensated call its state's type
 // (only compensated calls have bf16-state instances) and whether it updates the state (the
 // applied call does not).
 template <typename T, bool COMP>
 void (*fast_kernel_for_call(const CallAttrs& at))(KernelArgs) {
   if constexpr (COMP) {
+    if (at.state_q8) return fast_q8_kernel<T>(at);
     if (at.state_bf16)
       return at.update ? fast_compensated_kernel<T, __nv_bfloat16, true>(at)
                        : fast_compensated_kernel<T, __nv_bfloat16, false>(at);
@@ -84,6 +97,14 @@ ffi::Error run_rank(Group& grp, int rank, cudaStream_t stream, const CallAttrs& 
   void (*kernel)(KernelArgs) = nullptr;
   if (fast_ok && aligned && fast::has_fast_policy(at.policy) && !fast::generic_kernels_forced()) {
     kernel = fast_kernel_for_call<T, COMP>(at);
+  }
+  if (kernel == nullptr && at.state_q8) {  // the generic stages take no int8 state
+    return ffi::Error::InvalidArgument(
+        "echo_jax p2p (CUDA): the int8 state runs in the fast stages only: group_size " +
+        std::to_string(kStateGroup) + ", the update in the call, 16-byte aligned x, y, m1, m2 "
+        "(virtual ranks: a row of n values with n a multiple of 16) and ECHO_JAX_GENERIC_QUANT "
+        "unset; got group_size " + std::to_string(at.g) + " (use state_dtype='bfloat16' "
+        "otherwise)");
   }
   if (kernel == nullptr) {
     if constexpr (COMP)

@@ -29,7 +29,8 @@ namespace {
 // 118-191 a thread, for group sizes few use); every other call runs the generic stages.
 // ROT: the Hadamard rotation of every group after the entry loads and before the output stores,
 // in registers and shuffles (quant_fast.cuh), the sign masks of the lanes in shared memory.
-// S: the compensator state's element type (float or __nv_bfloat16; float when !COMP), a template
+// S: the compensator state's element type (float, __nv_bfloat16, or int8_t for the int8 state:
+// codes with one scale a kStateGroup values, KernelArgs::s1 / s2; float when !COMP), a template
 // parameter rather than KernelArgs::state_bf16: the run-time branch kept both paths' live ranges
 // (the rotated fp32 compensated instance 64 -> 80 registers, g = 128, sm_90a), and with it the
 // bf16 state was not faster than the fp32 one; as a template parameter it is.
@@ -48,7 +49,10 @@ struct FastStages {
   // Four in the uncompensated rotated instances would take one shuffle stage a rotation away
   // (8 lanes a 128-group in fp32), but ptxas gave fp32 104-110 registers (64 with two) and the
   // 16-bit ones 650-750 bytes of spills under their 4-blocks bound (sm_90a; not timed).
-  static constexpr int kLoadsPerLane = sizeof(T) == 2 && COMP ? 1 : 2;
+  // The int8 state: one load a lane too, so that a lane's piece is its whole share of the group
+  // whose scale it helps to set (store_state_group).
+  static constexpr bool kStateQ8 = std::is_same_v<S, int8_t>;
+  static constexpr int kLoadsPerLane = (sizeof(T) == 2 && COMP) || kStateQ8 ? 1 : 2;
   using L = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, kLoadsPerLane>()>;
   static constexpr int kVec = L::kVec, kLanes = L::kLanes, kLoads = L::kLoads;
   static constexpr int kGpw = L::kGroupsPerWarp;
@@ -125,15 +129,77 @@ struct FastStages {
   }
 
   static constexpr bool kStateBf16 = std::is_same_v<S, __nv_bfloat16>;
-  static_assert(kStateBf16 || std::is_same_v<S, float>, "the state is float or bfloat16");
+  static_assert(kStateBf16 || kStateQ8 || std::is_same_v<S, float>,
+                "the state is float, bfloat16 or int8");
+  // A wire group is one state group, and the scale is set where the group is updated.
+  static_assert(!kStateQ8 || (COMP && UPDATE && G == kStateGroup && kLoads == 1),
+                "the int8 state: the compensated call, g = kStateGroup, one piece a lane");
 
-  // kVec values of m (m1 or m2) at element e as fp32; 0 past n. A bf16 state (kVec * 2 bytes:
-  // one 8- or 16-byte access) is widened exactly.
-  __device__ static void load_state(const KernelArgs& a, const void* m, int64_t e, float* v) {
+  // kVec values of m (m1 or m2; s its scales for the int8 state) at element e as fp32; 0 past
+  // n. A bf16 state (kVec * 2 bytes: one 8- or 16-byte access) is widened exactly; an int8 one
+  // (kVec bytes: one 4- or 8-byte access) read as code times its group's scale.
+  __device__ static void load_state(const KernelArgs& a, const void* m, const float* s,
+                                    int64_t e, float* v) {
     if constexpr (kStateBf16)
       load_vec<__nv_bfloat16, kVec>(static_cast<const __nv_bfloat16*>(m), e, a.n, v);
+    else if constexpr (kStateQ8)
+      load_state_q8(static_cast<const int8_t*>(m), s, e, a.n, v);
     else
       load_state_f32(static_cast<const float*>(m), e, a.n, v);
+  }
+  __device__ static void load_m1(const KernelArgs& a, int64_t e, float* v) {
+    load_state(a, a.m1, a.s1, e, v);
+  }
+  __device__ static void load_m2(const KernelArgs& a, int64_t e, float* v) {
+    load_state(a, a.m2, a.s2, e, v);
+  }
+  // kVec int8 codes as one word (kVec = 4 or 8 bytes, aligned: e is a multiple of kVec).
+  using CodeWord = std::conditional_t<kVec == 8, uint2, uint32_t>;
+  __device__ static void load_state_q8(const int8_t* m, const float* s, int64_t e, int64_t n,
+                                       float* v) {
+    // Not __ldg: the scale is rewritten in this kernel (store_state_group), after this read.
+    const float scale = s[e / kStateGroup];
+    int8_t q[kVec];
+    if (e + kVec <= n) {
+      *reinterpret_cast<CodeWord*>(q) = *reinterpret_cast<const CodeWord*>(m + e);
+    } else {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) q[t] = e + t < n ? m[e + t] : 0;
+    }
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) v[t] = e + t < n ? state_value(q[t], scale) : 0.0f;
+  }
+  // The int8 state's store of this lane's kVec new values v at element e: the group's largest
+  // |v| over its kLanes lanes (every lane of the group calls this together; values past n do
+  // not count), the scale and codes of echo_common.h, the codes, and the scale by the group's
+  // first lane. Each lane read the old scale before (load_update), and the shuffles order those
+  // reads before the one write.
+  __device__ static void store_state_group(const KernelArgs& a, void* m, float* s, int64_t e,
+                                           const float* v) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kVec; ++t)
+      if (e + t < a.n) amax = max_f(amax, abs_f(v[t]));
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned mask =
+        kLanes == 32 ? 0xFFFFFFFFu : ((1u << kLanes) - 1u) << (lane / kLanes * kLanes);
+#pragma unroll
+    for (int off = kLanes / 2; off > 0; off /= 2)
+      amax = max_f(amax, __shfl_xor_sync(mask, amax, off));
+    const float scale = state_scale(amax);
+    const float inv = state_inverse(scale);
+    int8_t q[kVec];
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) q[t] = state_code(v[t], inv);
+    int8_t* codes = static_cast<int8_t*>(m);
+    if (e + kVec <= a.n) {
+      *reinterpret_cast<CodeWord*>(codes + e) = *reinterpret_cast<const CodeWord*>(q);
+    } else {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t)
+        if (e + t < a.n) codes[e + t] = q[t];
+    }
+    if (lane % kLanes == 0) s[e / kStateGroup] = scale;
   }
   // kVec fp32 values stored at element e (a bf16 state rounded to nearest even); none past n.
   __device__ static void store_state(const KernelArgs& a, void* m, int64_t e, const float* v) {
@@ -190,8 +256,8 @@ struct FastStages {
     load_raw<kStaged>(a, e, v, staged);
     if constexpr (COMP) {
       float m1[kVec], m2[kVec];
-      load_state(a, a.m1, e, m1);
-      load_state(a, a.m2, e, m2);
+      load_m1(a, e, m1);
+      load_m2(a, e, m2);
 #pragma unroll
       for (int t = 0; t < kVec; ++t)
         if (e + t < a.n) v[t] = comp_apply(v[t], m1[t], m2[t], a.k);
@@ -212,8 +278,8 @@ struct FastStages {
   __device__ static void load_update(const KernelArgs& a, int64_t e, UpdateIn& in) {
     if constexpr (COMP && UPDATE) {
       load_raw(a, e, in.x);
-      load_state(a, a.m1, e, in.m1);
-      load_state(a, a.m2, e, in.m2);
+      load_m1(a, e, in.m1);
+      load_m2(a, e, in.m2);
     }
   }
   __device__ static void prefetch_update(const KernelArgs& a, int64_t e0, int j,
@@ -245,8 +311,13 @@ struct FastStages {
         const float xp = comp_apply(in.x[t], in.m1[t], in.m2[t], a.k);
         comp_update(xp, y[t], in.m1[t], in.m2[t], a.k, &n1[t], &n2[t]);
       }
-      store_state(a, a.m1, e, n1);
-      store_state(a, a.m2, e, n2);
+      if constexpr (kStateQ8) {
+        store_state_group(a, a.m1, a.s1, e, n1);
+        store_state_group(a, a.m2, a.s2, e, n2);
+      } else {
+        store_state(a, a.m1, e, n1);
+        store_state(a, a.m2, e, n2);
+      }
     }
   }
 

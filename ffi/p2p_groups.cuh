@@ -170,6 +170,9 @@ struct CallAttrs {
   const float* factor;  // device f32[1], the rescaling's power of two
   bool state_bf16;      // the compensated call's m1, m2 are bf16 (else fp32)
   bool update;          // the compensated call updates m1, m2; false: the applied call
+  bool state_q8 = false;  // m1, m2 are int8 codes with the scales s1, s2 (EchoConfig.state_dtype)
+  float* s1 = nullptr;    // this rank's scales of m1, m2 (int8 state; updated in place)
+  float* s2 = nullptr;
 };
 
 LaunchPlan make_plan(const Group& grp, const CallAttrs& at, int64_t seg_groups, int resident) {
@@ -213,7 +216,8 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
     pl = it->second;
   }
   KernelArgs a{};
-  a.x = x; a.y = y; a.m1 = m1; a.m2 = m2; a.factor = at.factor; a.n = n;
+  a.x = x; a.y = y; a.m1 = m1; a.m2 = m2; a.s1 = at.s1; a.s2 = at.s2; a.factor = at.factor;
+  a.n = n;
   a.seg_groups = seg_groups;
   a.me = rank; a.P = at.P; a.g = at.g; a.bits = at.bits; a.policy = at.policy;
   a.tile_groups = pl.tile_groups;

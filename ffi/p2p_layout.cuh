@@ -75,8 +75,10 @@ enum Stage : int { kStagePush = 0, kStageGather = 1 };
 struct KernelArgs {
   const void* x;      // this rank's contribution [n] (T)
   void* y;            // this rank's output [n] (T)
-  void* m1;           // compensator state [n] (fp32, or bf16 when state_bf16) or nullptr
-  void* m2;
+  void* m1;           // compensator state [n] (fp32, or bf16 when state_bf16; int8 codes for
+  void* m2;           // the fast stages' int8 instances) or nullptr
+  float* s1;          // the int8 state's scales of m1, m2 [ceil(n / kStateGroup)], updated in
+  float* s2;          // place (FastStages with S = int8_t); nullptr otherwise
   const float* factor;  // device f32[1]: the rescaling's power of two (1: not rescaled)
   int64_t n;
   int64_t seg_groups;  // Gs: groups per segment

@@ -49,8 +49,9 @@ MAX_ROTATED_GROUP = 1024
 
 POLICY_CODES = policies.CODES
 
-#: The state dtypes (`EchoConfig.state_dtype`) the fused compensated kernels take.
-FUSED_STATE_DTYPES = ("float32", "bfloat16")
+#: The state dtypes (`EchoConfig.state_dtype`) the fused compensated kernels take (int8: with
+#: group_size 128, `base.Transport`; the applied call and `update_state` take the first two).
+FUSED_STATE_DTYPES = ("float32", "bfloat16", "int8")
 #: The contribution dtypes of the calls and of `update_state`.
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -255,13 +256,31 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
             flat, factor_operand(factor), absent_rank=np.int64(absent_rank),
             **_attrs(config, num_ranks, False))
         return y.reshape(x.shape)
-    comp.check_state(state, x, "virtual_allreduce", config)
+    if isinstance(state, comp.CompensatorState) and state.quantized:  # per row: [P, groups]
+        comp.check_state(jax.tree.map(lambda a: a[0], state), x[0], "virtual_allreduce", config)
+    else:
+        comp.check_state(state, x, "virtual_allreduce", config)
+    if config.state_update == "separate" and state.quantized:
+        raise ValueError("virtual_allreduce: the applied call (state_update='separate') takes no "
+                         "int8 state; use state_update='in_call'")
     if config.state_update == "separate":
         y = jax.ffi.ffi_call("echo_allreduce_virtual_applied_cuda", y_type)(
             flat, state.m1.reshape(flat.shape), state.m2.reshape(flat.shape),
             factor_operand(factor), **_attrs(config, num_ranks, True, applied=True))
         y = y.reshape(x.shape)
         return y, update_state(x, y, state, num_ranks, config)
+    if state.quantized:  # codes [P, n] and scales [P, groups of a row], each updated in place
+        rows = [jax.tree.map(lambda a: a.reshape(num_ranks, -1), m) for m in state]
+        arrays = [a for m in rows for a in m]
+        types = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+        y, *new = jax.ffi.ffi_call(
+            "echo_allreduce_virtual_comp_q8_cuda", (y_type,) + types,
+            input_output_aliases={i: i for i in range(1, 5)})(
+            flat, *arrays, factor_operand(factor), **_attrs(config, num_ranks, True))
+        m1, m2 = base.state_from_arrays(new)
+        shaped = [comp.QuantizedMoment(m.codes.reshape(x.shape), m.scales.reshape(
+            jnp.shape(old.scales))) for m, old in zip((m1, m2), state)]
+        return y.reshape(x.shape), comp.CompensatorState(*shaped)
     m_type = jax.ShapeDtypeStruct(flat.shape, jnp.result_type(state.m1))
     y, m1, m2 = jax.ffi.ffi_call(
         "echo_allreduce_virtual_comp_cuda", (y_type, m_type, m_type),
@@ -345,10 +364,19 @@ def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None, fact
         return jax.ffi.ffi_call("echo_allreduce_cuda", y_type)(x, f, **attrs)
     # The state keeps its own shape (x may be flat): reshaping an operand the call updates in
     # place makes XLA copy it in a loop.
-    comp.check_state(state, state.m1, "rank_allreduce", config)
-    if jnp.size(state.m1) != jnp.size(x):
-        raise ValueError(f"rank_allreduce: the state has {jnp.size(state.m1)} elements, x has "
-                         f"{jnp.size(x)}; use echo_jax.init_state(x, config)")
+    comp.check_state(state, base.state_codes(state.m1), "rank_allreduce", config)
+    if jnp.size(base.state_codes(state.m1)) != jnp.size(x):
+        raise ValueError(f"rank_allreduce: the state has {jnp.size(base.state_codes(state.m1))} "
+                         f"elements, x has {jnp.size(x)}; use echo_jax.init_state(x, config)")
+    if state.quantized:  # codes and scales, each updated in place
+        if applied:
+            raise ValueError("rank_allreduce: the applied call takes no int8 state")
+        arrays = [a for m in state for a in base.state_arrays(m)]
+        types = tuple(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in arrays)
+        y, *new = jax.ffi.ffi_call("echo_allreduce_comp_q8_cuda", (y_type,) + types,
+                                   input_output_aliases={i: i for i in range(1, 5)})(
+            x, *arrays, factor_operand(factor, like=x), **attrs)
+        return y, comp.CompensatorState(*base.state_from_arrays(new))
     if applied:
         return jax.ffi.ffi_call("echo_allreduce_applied_cuda", y_type)(
             x, state.m1, state.m2, factor_operand(factor, like=x), **attrs)
@@ -446,11 +474,12 @@ def allreduce_compensated(x_flat, m1_flat, m2_flat, axis, num_ranks: int, config
     """The fused compensated all-reduce on GPUs (arguments and results as
     `echo_jax.transports.cpu.allreduce_compensated`)."""
     # ffi_call results are typed invariant; type them as the xla transport's are.
-    varying = frozenset().union(*(_compat.varying_axes(o) for o in (x_flat, m1_flat, m2_flat)))
+    varying = frozenset().union(*(_compat.varying_axes(o) for o in
+                                  jax.tree.leaves((x_flat, m1_flat, m2_flat))))
     y, new = rank_allreduce(x_flat, axis, num_ranks, config,
                             comp.CompensatorState(m1_flat, m2_flat), factor=factor)
-    return (_compat.to_varying(y, varying - {axis}), _compat.to_varying(new.m1, varying),
-            _compat.to_varying(new.m2, varying))
+    new = jax.tree.map(lambda a: _compat.to_varying(a, varying), new)
+    return (_compat.to_varying(y, varying - {axis}), new.m1, new.m2)
 
 
 def allreduce_applied(x_flat, m1_flat, m2_flat, axis, num_ranks: int, config: EchoConfig,

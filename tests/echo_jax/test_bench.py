@@ -107,6 +107,8 @@ def test_allreduce_all_rows_json_and_png(tmp_path, capsys):
         # max |x| of normal data is above AUTO_RESCALE_BELOW: the default's factor is 1.
         assert rows["p2p4-rescale"]["max_abs_err"] == rows["p2p4"]["max_abs_err"]
         assert rows["p2p4-comp-unfused"]["max_abs_err"] == rows["p2p4"]["max_abs_err"]
+        # A zero state in any format adds nothing: the sum of the plain call.
+        assert rows["p2p4-comp-fused-int8state"]["max_abs_err"] == rows["p2p4"]["max_abs_err"]
         assert rows["p2p4-comp-fused"]["bit_identical_to_unfused"] is True
         assert rows["p2p4-comp-separate"]["bit_identical_to_fused"] is True
     assert result["gate"]["row"] in bench.GATE_ROWS

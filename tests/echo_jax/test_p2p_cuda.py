@@ -178,6 +178,66 @@ def test_virtual_ranks_bf16_state_match_reference(cuda, nranks, xdtype, rotation
         assert np.any(np.asarray(got[3].m1) != np.asarray(st.m1)), what
 
 
+def same_bits_or_both_nan(a, b, what=""):
+    """same_bits, where a NaN on both sides counts as equal whatever its payload."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind == "f" or a.dtype == jnp.bfloat16:
+        nan_a, nan_b = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
+        np.testing.assert_array_equal(nan_a, nan_b, err_msg=f"{what}: NaN positions differ")
+        a, b = np.where(nan_a, 0, a).astype(a.dtype), np.where(nan_b, 0, b).astype(b.dtype)
+    same_bits(a, b, what)
+
+
+@pytest.mark.parametrize("xdtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_virtual_ranks_int8_state_match_reference(cuda, xdtype, rotation):
+    """EchoConfig.state_dtype="int8" in the fast kernels (g = 128: a wire group is a state
+    group): codes times scale where x' is formed; where y is produced, a group's new values, its
+    scale from their largest |v| across the group's lanes, and its codes. y and every code and
+    scale bit for bit with the xla transport's (`echo_jax.compensator`, itself checked against
+    NumPy), two chained calls, 4 and 8 bits, P = 2 and 4, a short last group (n = 4096 + 64),
+    and a contribution with a NaN (its groups' sums and state groups NaN on both)."""
+    rng = np.random.default_rng(3 + len(xdtype))
+    for nranks, bits, n, nan in ((4, 4, 65536, False), (2, 8, 4096 + 64, False),
+                                 (4, 4, 4096 + 64, True)):
+        cfg = ej.EchoConfig(bits=bits, rotation=rotation, state_dtype="int8")
+        x0, x1, x2 = (np.asarray(rng.standard_normal((nranks, n)), np.float32)
+                      for _ in range(3))
+        if nan:
+            x1[1, 4100] = np.nan  # rank 1's last, short group
+        x0, x1, x2 = (jnp.asarray(v).astype(xdtype) for v in (x0, x1, x2))
+        what = f"P={nranks} {xdtype} bits={bits} n={n} rotation={rotation} nan={nan}"
+        zero = jax.vmap(lambda v: ej.init_state(v, cfg))(x0)
+        st = reference_allreduce(x0, cfg, zero)[1]  # a live state: codes and scales not zero
+
+        def two(a, b, s):
+            y1, s1 = cuda.virtual_allreduce(a, cfg, s)
+            y2, s2 = cuda.virtual_allreduce(b, cfg, s1)
+            return y1, s1, y2, s2
+        got = jax.jit(two)(x1, x2, st)
+        r1 = reference_allreduce(x1, cfg, st)
+        r2 = reference_allreduce(x2, cfg, r1[1])
+        for (y, new), (ry, rnew), step in (((got[0], got[1]), r1, 1), ((got[2], got[3]), r2, 2)):
+            assert new.quantized and new.m1.codes.dtype == jnp.int8, what
+            same_bits_or_both_nan(y, ry, f"{what} call {step}: y")
+            for name, a, b in zip(("m1 codes", "m1 scales", "m2 codes", "m2 scales"),
+                                  jax.tree.leaves(new), jax.tree.leaves(rnew), strict=True):
+                same_bits_or_both_nan(a, b, f"{what} call {step}: {name}")
+        assert np.any(np.asarray(got[3].m1.codes) != np.asarray(st.m1.codes)), what
+        if nan:
+            assert np.isnan(np.asarray(got[1].m1.scales)).any(), what
+
+
+def test_the_int8_state_needs_the_fast_stages(cuda):
+    """Rows the fast stages cannot take (n not a multiple of 16: unaligned rows) refuse the int8
+    state with the fix, instead of running generic stages that do not take it."""
+    cfg = ej.EchoConfig(state_dtype="int8")
+    x = jnp.ones((2, 1004), jnp.float32)  # a row of 1004 codes: not 16-byte aligned
+    st = jax.vmap(lambda v: ej.init_state(v, cfg))(x)
+    with pytest.raises(Exception, match=r"int8 state runs in the fast stages only"):
+        jax.block_until_ready(cuda.virtual_allreduce(x, cfg, st))
+
+
 @pytest.mark.parametrize("nranks", [2, 4])
 @pytest.mark.parametrize("xdtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])

@@ -4,9 +4,9 @@ Checked against a NumPy reference written here from the format's definition (com
 docstring): per group of 128 consecutive values of a rank's flattened average,
 s = max|v| * fp32(1/127) rounded to fp32, q = rne(v * fp32(1 / s)) clipped to +-127, read back as
 fp32(q * s); Algorithm 1 (Eqs. 4, 10, 11) in fp32 on the values read back. Also: zero and
-non-finite groups, init_state / check_state, the plan (the CPU custom call fuses it with
-group_size 128; elsewhere it runs in JAX around the call), the CPU call bit for bit against the
-JAX path, and a scan carry.
+non-finite groups, init_state / check_state, the plan (the custom calls fuse it with group_size
+128; elsewhere it runs in JAX around the call), the CPU call bit for bit against the JAX path
+(the CUDA kernels: tests/echo_jax/test_p2p_cuda.py), and a scan carry.
 """
 
 import jax
@@ -120,16 +120,19 @@ def test_one_call_matches_algorithm_1_with_the_int8_store():
                                           rs.view(np.uint32))
 
 
-def test_the_plan_fuses_it_where_a_wire_group_is_a_state_group():
-    rotation, compensation, reasons = transports.call_modes(transports.CPU, INT8, "int8")
-    assert compensation == "fused" and not reasons
+@pytest.mark.parametrize("transport", ["cpu", "cuda"])
+def test_the_plan_fuses_it_where_a_wire_group_is_a_state_group(transport):
+    t = {"cpu": transports.CPU, "cuda": transports.CUDA}[transport]
+    for cfg in (INT8, INT8.replace(rotation="hadamard")):
+        rotation, compensation, reasons = transports.call_modes(t, cfg, "int8")
+        assert compensation == "fused" and not reasons
     for cfg, why in ((INT8.replace(group_size=64), "int8 state needs group_size 128"),
                      (INT8.replace(state_update="separate"), "applied call takes no int8")):
-        rotation, compensation, reasons = transports.call_modes(transports.CPU, cfg, "int8")
+        rotation, compensation, reasons = transports.call_modes(t, cfg, "int8")
         assert compensation == "jax" and any(why in r for r in reasons), reasons
-    # The CUDA kernels take no int8 state: the compensator runs in JAX around their call.
-    rotation, compensation, reasons = transports.call_modes(transports.CUDA, INT8, "int8")
-    assert compensation == "jax" and any("no int8 state" in r for r in reasons)
+    # The separate update's kernel takes the wide states only.
+    assert transports.plan_with(t, INT8.replace(state_update="separate"),
+                                state_dtype="int8").separate_update == "jax"
 
 
 def _sites_under_shard_map(cfg, xs, steps):
