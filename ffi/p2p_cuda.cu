@@ -37,15 +37,17 @@
 //
 // Kernel blocks are persistent (grid no larger than what is resident), because a block that polls
 //
-// The translation unit of the fused all-reduce; its parts, each included once from here:
-//   p2p_layout.cuh    constants, build switches, KernelArgs, the workspace and its flags, the
-//                     entry loads and output stores shared by every stage
-//   p2p_generic.cuh   the generic stages (g, bits, policy at run time; rotated or not)
-//   p2p_fast.cuh      the fast stages (G, BITS compile-time; the quantizer of quant_fast.cuh)
-//   p2p_pipeline.cuh  one rank's pipeline over the tiles and the two kernels around it
-//   p2p_groups.cuh    host side: groups of ranks, their workspaces, the schedule cache, launch
-//   p2p_dispatch.cuh  which kernel instance serves a call, and the checks of its attributes
-//   p2p_calls.cuh     the per-device call (one rank per GPU) and the virtual-rank call
+// The translation unit of the fused all-reduce's host side and generic kernels; its parts:
+//   p2p_layout.cuh     constants, build switches, KernelArgs, CallAttrs, the workspace and its
+//                      flags, the entry loads and output stores shared by every stage
+//   p2p_generic.cuh    the generic stages (g, bits, policy at run time; rotated or not)
+//   p2p_pipeline.cuh   one rank's pipeline over the tiles and the two kernels around it
+//   p2p_groups.cuh     host side: groups of ranks, their workspaces, the schedule cache, launch
+//   p2p_instances.cuh  the lookup of the fast stages' instances (p2p_fast.cuh: G, BITS
+//                      compile-time; the quantizer of quant_fast.cuh), compiled in units of
+//                      their own, one a dtype (p2p_fast_f32.cu, p2p_fast_bf16.cu, p2p_fast_f16.cu)
+//   p2p_dispatch.cuh   which kernel instance serves a call, and the checks of its attributes
+//   p2p_calls.cuh      the per-device call (one rank per GPU) and the virtual-rank call
 // and below, the handler bindings (attributes: the table of ffi/echo_attrs.h).
 #include <cuda_runtime.h>
 
@@ -57,7 +59,6 @@
 #include "ffi_helpers.h"
 #include "p2p_layout.cuh"
 #include "p2p_generic.cuh"
-#include "p2p_fast.cuh"
 #include "p2p_pipeline.cuh"
 #include "p2p_groups.cuh"
 #include "p2p_dispatch.cuh"

@@ -1,7 +1,7 @@
 // Which kernel instance serves a call: the fast stages where g, the policy and the alignment
-// allow (their template instances: dtype, G, BITS, compensated, rotated, state type, update),
-// else the generic ones; then the checks of a call's attributes and of its group's health.
-// Included by p2p_cuda.cu; the instances named here are the kernels the module holds.
+// allow (their instances live in p2p_fast_<dtype>.cu, p2p_instances.cuh), else the generic ones
+// (instantiated here); then the checks of a call's attributes and of its group's health.
+// Included by p2p_cuda.cu.
 #ifndef ECHO_JAX_FFI_P2P_DISPATCH_CUH_
 #define ECHO_JAX_FFI_P2P_DISPATCH_CUH_
 
@@ -10,9 +10,11 @@
 #include <cstdint>
 #include <string>
 
-#include "p2p_fast.cuh"
+#include "fast_io.cuh"
 #include "p2p_generic.cuh"
 #include "p2p_groups.cuh"
+#include "p2p_instances.cuh"
+#include "quant_fast.cuh"
 #include "p2p_pipeline.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -20,59 +22,6 @@
 namespace echo {
 namespace cuda {
 namespace {
-
-// The fast kernel instance for (T, g, bits, COMP, ROT, state type S, UPDATE), or nullptr when g
-// has none.
-template <typename T, bool COMP, bool ROT, typename S, bool UPDATE, int BITS, int... Gs>
-void (*fast_kernel_for(int g))(KernelArgs) {
-  void (*kernel)(KernelArgs) = nullptr;
-  ((g == Gs ? (kernel = kernel_of<FastStages<T, Gs, BITS, COMP, ROT, S, UPDATE>, T>(), true)
-            : false) ||
-   ...);
-  return kernel;
-}
-
-template <typename T, bool COMP, bool ROT, typename S = float, bool UPDATE = COMP>
-void (*fast_kernel_for_bits(int bits, int g))(KernelArgs) {
-  return bits == 4 ? fast_kernel_for<T, COMP, ROT, S, UPDATE, 4, 32, 64, 128, 256>(g)
-                   : fast_kernel_for<T, COMP, ROT, S, UPDATE, 8, 32, 64, 128, 256>(g);
-}
-
-// The fast instance of a compensated call for its state's type, rotated or not.
-template <typename T, typename S, bool UPDATE>
-void (*fast_compensated_kernel(const CallAttrs& at))(KernelArgs) {
-  return at.rotate ? fast_kernel_for_bits<T, true, true, S, UPDATE>(at.bits, at.g)
-                   : fast_kernel_for_bits<T, true, false, S, UPDATE>(at.bits, at.g);
-}
-
-// The fast instance of a compensated call with the int8 state: g = kStateGroup only (a wire
-// group is a state group), the update in the call; nullptr otherwise.
-template <typename T>
-void (*fast_q8_kernel(const CallAttrs& at))(KernelArgs) {
-  if (at.g != kStateGroup || !at.update) return nullptr;
-  if (at.rotate)
-    return at.bits == 4 ? fast_kernel_for<T, true, true, int8_t, true, 4, kStateGroup>(at.g)
-                        : fast_kernel_for<T, true, true, int8_t, true, 8, kStateGroup>(at.g);
-  return at.bits == 4 ? fast_kernel_for<T, true, false, int8_t, true, 4, kStateGroup>(at.g)
-                      : fast_kernel_for<T, true, false, int8_t, true, 8, kStateGroup>(at.g);
-}
-
-// The fast instance for a call: rotated or not, and for a compensated call its state's type
-// (only compensated calls have bf16-state instances) and whether it updates the state (the
-// applied call does not).
-template <typename T, bool COMP>
-void (*fast_kernel_for_call(const CallAttrs& at))(KernelArgs) {
-  if constexpr (COMP) {
-    if (at.state_q8) return fast_q8_kernel<T>(at);
-    if (at.state_bf16)
-      return at.update ? fast_compensated_kernel<T, __nv_bfloat16, true>(at)
-                       : fast_compensated_kernel<T, __nv_bfloat16, false>(at);
-    return at.update ? fast_compensated_kernel<T, float, true>(at)
-                     : fast_compensated_kernel<T, float, false>(at);
-  }
-  return at.rotate ? fast_kernel_for_bits<T, COMP, true>(at.bits, at.g)
-                   : fast_kernel_for_bits<T, COMP, false>(at.bits, at.g);
-}
 
 // The generic instance for a call (any g; rotated or not).
 template <typename T, bool COMP, bool UPDATE>
@@ -96,7 +45,7 @@ ffi::Error run_rank(Group& grp, int rank, cudaStream_t stream, const CallAttrs& 
       aligned16(x) && aligned16(y) && (m1 == nullptr || (aligned16(m1) && aligned16(m2)));
   void (*kernel)(KernelArgs) = nullptr;
   if (fast_ok && aligned && fast::has_fast_policy(at.policy) && !fast::generic_kernels_forced()) {
-    kernel = fast_kernel_for_call<T, COMP>(at);
+    kernel = fast_kernel_of<T>(at, COMP);  // compiled in its own unit (p2p_instances.cuh)
   }
   if (kernel == nullptr && at.state_q8) {  // the generic stages take no int8 state
     return ffi::Error::InvalidArgument(

@@ -161,20 +161,6 @@ std::string describe_error(int code, int rank) {
          " (a peer never arrived); the group's workspace is no longer usable in this process";
 }
 
-// A call's attributes as the host side uses them (p2p_cuda.cu reads them: ffi/echo_attrs.h).
-struct CallAttrs {
-  int bits, g, policy, P;
-  int64_t timeout_ms;
-  int64_t rotate;       // 1: the Hadamard rotation inside the call (EchoConfig.rotation)
-  CompCoeffs k;
-  const float* factor;  // device f32[1], the rescaling's power of two
-  bool state_bf16;      // the compensated call's m1, m2 are bf16 (else fp32)
-  bool update;          // the compensated call updates m1, m2; false: the applied call
-  bool state_q8 = false;  // m1, m2 are int8 codes with the scales s1, s2 (EchoConfig.state_dtype)
-  float* s1 = nullptr;    // this rank's scales of m1, m2 (int8 state; updated in place)
-  float* s2 = nullptr;
-};
-
 LaunchPlan make_plan(const Group& grp, const CallAttrs& at, int64_t seg_groups, int resident) {
   LaunchPlan pl;
   static const int64_t tile_values =

@@ -72,6 +72,11 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 // Error codes written to the host-mapped error word (1 + stage * 256 + peer).
 enum Stage : int { kStagePush = 0, kStageGather = 1 };
 
+}  // namespace
+
+// The kernel's arguments and the host's view of a call's attributes have external linkage: the
+// fast stages' instances are compiled in translation units of their own (p2p_instances.cuh),
+// whose kernel lookups take and return them.
 struct KernelArgs {
   const void* x;      // this rank's contribution [n] (T)
   void* y;            // this rank's output [n] (T)
@@ -101,6 +106,25 @@ struct KernelArgs {
   CompCoeffs k;
   uint8_t* ws[kMaxCudaRanks];  // workspace base of every rank (peer pointers)
 };
+
+// A call's attributes as the host side uses them (p2p_cuda.cu reads them: ffi/echo_attrs.h).
+struct CallAttrs {
+  int bits, g, policy, P;
+  int64_t timeout_ms;
+  int64_t rotate;       // 1: the Hadamard rotation inside the call (EchoConfig.rotation)
+  CompCoeffs k;
+  const float* factor;  // device f32[1], the rescaling's power of two
+  bool state_bf16;      // the compensated call's m1, m2 are bf16 (else fp32)
+  bool update;          // the compensated call updates m1, m2; false: the applied call
+  bool state_q8 = false;  // m1, m2 are int8 codes with the scales s1, s2 (EchoConfig.state_dtype)
+  float* s1 = nullptr;    // this rank's scales of m1, m2 (int8 state; updated in place)
+  float* s2 = nullptr;
+};
+
+// A kernel of the fused all-reduce (an echo_allreduce_kernel(_bounded) instance).
+using KernelFn = void (*)(KernelArgs);
+
+namespace {
 
 // Workspace layout (per rank): P push slots, P gather slots, then the flags and the abort word.
 __host__ __device__ inline int64_t push_slot(int src, int64_t slot_bytes) { return src * slot_bytes; }

@@ -9,7 +9,7 @@ Usage:
                                                                 # a chosen path, per value
 
 OBJ is an object file or shared module with sm_XX code (e.g. the build's
-CMakeFiles/echo_cuda_kernels.dir/ffi/p2p_cuda.cu.o) or a text file of `cuobjdump -sass`
+CMakeFiles/echo_cuda_kernels.dir/ffi/p2p_fast_f32.cu.o, the fast stages for fp32) or a text file of `cuobjdump -sass`
 output; cuobjdump must be on PATH for the former. Addresses are hex, as cuobjdump prints them.
 
 --sum adds the instructions of the given address ranges (the hot path that the reader picks

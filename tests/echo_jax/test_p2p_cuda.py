@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as PS
 import echo_jax as ej
 from echo_jax import _compat
 from echo_jax import policies, transports
+from echo_jax import compensator as comp
 from echo_jax import quant
 from conftest import cuda_handlers, reference_allreduce
 
@@ -278,17 +279,23 @@ def test_virtual_ranks_applied_call_match_reference(cuda, nranks, xdtype, state_
         assert np.any(np.asarray(got[3].m1) != kept[0]), what
 
 
-def test_virtual_applied_call_program_has_the_update_on_a_second_stream(cuda):
-    """The compiled program of a separate update: the applied custom call, no compensated one,
-    and the update as an asynchronous computation on stream 1 (XLA's stream annotation,
-    `--xla_gpu_experimental_stream_annotation`, on by default)."""
+def test_virtual_applied_call_program_runs_the_update_kernel_after_it(cuda):
+    """The compiled program of a separate update on the CUDA transport: the applied custom call,
+    no compensated one, and the update as the one-pass kernel (`cuda.update_state`, the plan's
+    separate_update="kernel"), on XLA's compute stream. The JAX update (`update_beside`, the
+    plan's "jax") goes on the stream of ECHO_JAX_UPDATE_STREAM: XLA wraps the annotated
+    computation into a call-start on that stream (`--xla_gpu_experimental_stream_annotation`,
+    on by default)."""
     cfg = ej.EchoConfig(state_update="separate")
     x = jnp.ones((4, 1 << 16), jnp.bfloat16)
     st = ej.init_state(x)
     text = jax.jit(lambda a, s: cuda.virtual_allreduce(a, cfg, s)).lower(x, st).compile().as_text()
     assert 'custom_call_target="echo_allreduce_virtual_applied_cuda"' in text
     assert "echo_allreduce_virtual_comp_cuda" not in text
-    # XLA wraps an annotated computation into call-start / call-done on that stream.
+    assert 'custom_call_target="echo_state_update_cuda"' in text
+    k = comp.Coefficients.from_config(cfg)
+    text = jax.jit(lambda a, y, s: comp.update_beside(a, y, 4, s, k, stream=1)).lower(
+        x, x, st).compile().as_text()
     starts = [ln for ln in text.splitlines() if "call-start(" in ln]
     assert any('_xla_stream_annotation="1"' in ln for ln in starts), \
         f"no call-start annotated for stream 1 in the compiled program: {starts[:3]}"
