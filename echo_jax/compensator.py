@@ -29,18 +29,21 @@ on load, round to nearest even on store), so every transport gives the same bits
 The int8 state (`EchoConfig.state_dtype="int8"`): m1 and m2 are int8 codes in x's shape, and each
 has one fp32 scale per group of STATE_GROUP = 128 consecutive values of the rank's flattened
 array (`QuantizedMoment(codes, scales)`, scales [ceil(size / 128)]; the last group may be
-short). A
-stored average v (fp32, one group) is
+short). A stored average v (fp32, one group) is
 
-    s = max|v| * fp32(1/127)   (one rounded product; 0 for an all-zero group)
-    q = rne(v * (1 / s))       (the reciprocal and the product each rounded; clipped to +-127)
+    s = the smallest power of two with 127 s >= max|v|   (0 when max|v| < 2^-100)
+    q = rne(v / s)                                        (exact: s is a power of two)
 
-and read back as q * s (rounded). A non-finite value makes its group's scale non-finite, so the
-whole group reads back NaN (as a non-finite value poisons its wire group). The rounding enters
-the next correction as a second-order term: each rank's residual u is data-scale, and 8 bits
-with a per-group scale keep it to 1/254 of its group's largest value. Why a fixed group of 128
-rather than the site's g: the state flows from site to site, and sites may use different group
-sizes.
+and read back as q * s (exact). The scale is a power of two so that no implementation divides:
+a quotient or reciprocal rounds differently on XLA's GPU backend than on a CPU, while s comes
+from max|v|'s exponent and one comparison, and v / s, q * s are exact, so JAX, the CPU handler
+and the CUDA kernels store the same bits. The step is s, between max|v| / 127 and twice that. A
+non-finite value makes its group's scale non-finite (max|v| itself), so the whole group reads
+back NaN (as a non-finite value poisons its wire group). The rounding enters the next
+correction as a second-order term: each rank's residual u is data-scale, and 8 bits with a
+per-group scale keep it to at most 1/127 of its group's largest value. Why a fixed group of
+128 rather than the site's g: the state flows from site to site, and sites may use different
+group sizes.
 
 Where the update runs (`EchoConfig.state_update`): "in_call" inside the all-reduce, where y is
 produced; "separate" as its own op after the call (`update_beside`, the Echo paper Sec. 5.3 and
@@ -214,20 +217,39 @@ def _grouped(v, size: int):
     return jnp.pad(jnp.ravel(v), (0, groups * STATE_GROUP - size)).reshape(groups, STATE_GROUP)
 
 
+#: Bits of fp32 2^-100: a group whose largest |v| is below it is stored as zeros (scale 0).
+_STATE_TINY_BITS = np.uint32(27 << 23)
+#: The mantissa bits of 127 / 64 = 1.984375: 127 * 2^(E-6) has max|v|'s exponent E and these.
+_STATE_127_MANTISSA = np.uint32(0x007E0000)
+
+
+def state_scale(amax):
+    """The int8 state's scales and their inverses for groups whose largest |v| is amax (fp32):
+    s = the smallest power of two with 127 s >= amax and 1 / s, both exact, from amax's bits
+    (module docstring); s = 0, 1 / s = 0 below 2^-100; s = amax, 1 / s = 0 when not finite."""
+    bits = lax.bitcast_convert_type(amax, jnp.uint32)
+    finite = bits < np.uint32(0x7F800000)
+    usable = finite & (bits >= _STATE_TINY_BITS)
+    exponent = bits >> 23  # biased
+    fits = bits <= ((bits & np.uint32(0x7F800000)) | _STATE_127_MANTISSA)  # amax <= 127 2^(E-6)
+    e = jnp.where(fits, exponent - 6, exponent - 5)  # s's biased exponent
+    e = jnp.where(usable, e, np.uint32(127))  # (unused where not usable; keeps the shifts sane)
+    s = lax.bitcast_convert_type(e << 23, jnp.float32)
+    inv = lax.bitcast_convert_type((np.uint32(254) - e) << 23, jnp.float32)
+    zero = np.float32(0)
+    return (jnp.where(usable, s, jnp.where(finite, zero, amax)),
+            jnp.where(usable, inv, zero))
+
+
 def quantize_state(v32):
     """An fp32 average (any shape) as the int8 state's (codes in v's shape, scales): per group
-    of STATE_GROUP values of the flattened array, s = max|v| * fp32(1/127), q = rne(v * (1 / s)),
-    clipped to [-127, 127] (module docstring). A group with a non-finite value gets a
-    non-finite scale and codes 0."""
+    of STATE_GROUP values of the flattened array, s the smallest power of two with 127 s >=
+    max|v| and q = rne(v / s) (`state_scale`, module docstring). A group with a non-finite
+    value gets a non-finite scale and codes 0; one below 2^-100 scale 0 and codes 0."""
     size = int(jnp.size(v32))
     g = _grouped(v32.astype(jnp.float32), size)
-    amax = jnp.max(jnp.abs(g), axis=1)
-    # A product, not amax / 127: XLA rewrites a division by a constant into this product, so
-    # the product is what every implementation (the CPU handler, the CUDA kernels) can match.
-    scale = amax * np.float32(1 / 127)
-    usable = jnp.isfinite(scale) & (scale > 0)
-    inv = jnp.where(usable, np.float32(1) / jnp.where(usable, scale, np.float32(1)),
-                    np.float32(0))
+    scale, inv = state_scale(jnp.max(jnp.abs(g), axis=1))
+    # v * (1 / s) is exact; a NaN product (inf * 0 or a NaN) converts to 0, as XLA converts it.
     q = jnp.clip(jnp.round(g * inv[:, None]), -127, 127).astype(jnp.int8)
     return q.reshape(-1)[:size].reshape(jnp.shape(v32)), scale
 

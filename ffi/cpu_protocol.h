@@ -136,13 +136,13 @@ inline void StoreState(const RankIO& io, void* m, int64_t k, float v) {
 // Stores the `count` fp32 values v of the int8 state group that starts at element k0 (a
 // multiple of kStateGroup): its scale from the group's largest |v|, then the codes.
 inline void StoreStateGroup(void* m, float* s, int64_t k0, const float* v, int count) {
-  float amax = 0.0f;
-  for (int t = 0; t < count; ++t) amax = echo::max_f(amax, echo::abs_f(v[t]));
-  const float scale = echo::state_scale(amax);
-  const float inv = echo::state_inverse(scale);
+  uint32_t amax_bits = 0;  // max|v| as bits (a NaN's are the largest)
+  for (int t = 0; t < count; ++t)
+    amax_bits = std::max(amax_bits, echo::f32_bits(v[t]) & 0x7FFFFFFFu);
+  const echo::StateScale sc = echo::state_scale_of_bits(amax_bits);
   int8_t* q = static_cast<int8_t*>(m) + k0;
-  for (int t = 0; t < count; ++t) q[t] = echo::state_code(v[t], inv);
-  s[k0 / echo::kStateGroup] = scale;
+  for (int t = 0; t < count; ++t) q[t] = echo::state_code(v[t], sc.inv);
+  s[k0 / echo::kStateGroup] = sc.s;
 }
 
 // Element k of x in fp32 (exact for each of the three dtypes: the x.astype(f32) of the reference).

@@ -436,35 +436,44 @@ ECHO_HD void comp_update(float x_prime, float y, float m1, float m2, const CompC
   *m2_out = add_rn(q2, r2);
 }
 
-// The int8 state (EchoConfig.state_dtype = "int8"; echo_jax/compensator.py quantize_state /
-// dequantize_state are the definition): each average m1, m2 is int8 codes with one fp32 scale a
-// kStateGroup consecutive values of the rank's flattened array. A group of values v is stored as
-//   s = max|v| * fp32(1/127) (one rounded product),  q = clip(rne(v * (1 / s)), -127, 127)
-// with 1 / s correctly rounded and taken as 0 where s is 0 or not finite (a group with a NaN or an
-// inf keeps its non-finite scale, codes 0 here: a NaN product converts to 0, as XLA converts it),
-// and read back as q * s. Why 8 bits with a scale: each rank's residual is data-scale (only its
-// sum over ranks is the injected error, Eq. 4), so it needs a per-group range as the wire does.
+// The int8 state (EchoConfig.state_dtype = "int8"; echo_jax/compensator.py state_scale /
+// quantize_state / dequantize_state are the definition): each average m1, m2 is int8 codes with
+// one fp32 scale a kStateGroup consecutive values of the rank's flattened array. A group of
+// values v is stored as
+//   s = the smallest power of two with 127 s >= max|v|,  q = rne(v / s)
+// and read back as q * s. No division anywhere (XLA's GPU division is not correctly rounded):
+// s and 1 / s come from max|v|'s bits and one comparison, and v / s, q * s are exact. A group
+// whose max|v| is below 2^-100 gets s = 0 and codes 0; one with a NaN or an inf gets s = max|v|
+// (not finite) and codes 0, so it reads back NaN. Why 8 bits with a scale: each rank's residual
+// is data-scale (only its sum over ranks is the injected error, Eq. 4), so it needs a
+// per-group range as the wire does.
 // ----------------------------------------------------------------------------------------------
 constexpr int kStateGroup = 128;  // compensator.STATE_GROUP
 
-// The scale of a group whose largest |v| is amax (NaN if the group holds one: max_f propagates).
-// A product with fp32(1/127) (0x3C010204), not a quotient: XLA turns the reference's division by
-// the constant into this product.
-ECHO_HD float state_scale(float amax) { return mul_rn(amax, 0.00787401572f); }
+struct StateScale {
+  float s;    // the group's scale
+  float inv;  // 1 / s (exact), 0 where s is 0 or not finite
+};
 
-// 1 / s where s is finite and positive, else 0 (every code of the group is then 0).
-ECHO_HD float state_inverse(float s) {
-  return is_finite(s) && s > 0.0f ? reciprocal(s) : 0.0f;
+// The scale of a group from the bits of its largest |v| (amax_bits = f32_bits(max|v|), sign
+// clear; a NaN's bits are above every other value's, so an integer max of |v|'s bits finds it).
+ECHO_HD StateScale state_scale_of_bits(uint32_t amax_bits) {
+  if (amax_bits >= 0x7F800000u) return {f32_from_bits(amax_bits), 0.0f};  // inf or NaN
+  if (amax_bits < (27u << 23)) return {0.0f, 0.0f};                        // below 2^-100
+  // 127 * 2^(E-6) = 1.984375 * 2^E: max|v|'s exponent field with the mantissa of 127 / 64.
+  const bool fits = amax_bits <= ((amax_bits & 0x7F800000u) | 0x007E0000u);
+  const uint32_t e = (amax_bits >> 23) - (fits ? 6u : 5u);  // s's biased exponent
+  return {f32_from_bits(e << 23), f32_from_bits((254u - e) << 23)};
 }
 
-// The code of v under the inverse scale inv.
+// The code of v under the inverse scale inv: v * inv is exact (|v * inv| <= 127, or NaN).
 ECHO_HD int8_t state_code(float v, float inv) {
   const float p = mul_rn(v, inv);
   if (p != p) return 0;  // inf * 0 or a NaN: XLA's convert gives 0
   return static_cast<int8_t>(clip_f(rne(p), -127.0f, 127.0f));
 }
 
-// A stored value: q * s, rounded.
+// A stored value: q * s (exact).
 ECHO_HD float state_value(int8_t q, float s) { return mul_rn(static_cast<float>(q), s); }
 
 // ----------------------------------------------------------------------------------------------

@@ -155,10 +155,22 @@ struct FastStages {
   }
   // kVec int8 codes as one word (kVec = 4 or 8 bytes, aligned: e is a multiple of kVec).
   using CodeWord = std::conditional_t<kVec == 8, uint2, uint32_t>;
+  // Conversions on the fp32 pipe instead of the conversion unit (a quarter of its rate), exact:
+  // 2^23 + 128 + q has q's bits in its mantissa, and 1.5 * 2^23 + p rounds p (|p| <= 127) to
+  // the nearest integer, ties to even, in its low mantissa bits.
+  __device__ __forceinline__ static float code_value(int8_t q) {
+    return sub_rn(__int_as_float(0x4B000080 + q), 8388736.0f);
+  }
+  __device__ __forceinline__ static int8_t code_of(float p) {  // p = v / s, exact
+    if (p != p) return 0;  // inf * 0 or a NaN: 0, as state_code
+    return static_cast<int8_t>(static_cast<int>(__float_as_uint(add_rn(p, 12582912.0f)) -
+                                                0x4B400000u));
+  }
   __device__ static void load_state_q8(const int8_t* m, const float* s, int64_t e, int64_t n,
                                        float* v) {
-    // Not __ldg: the scale is rewritten in this kernel (store_state_group), after this read.
-    const float scale = s[e / kStateGroup];
+    // Not __ldg: the scale is rewritten in this kernel (store_state_group), after this read. A
+    // group of padding alone (e >= n) has no scale.
+    const float scale = e < n ? s[e / kStateGroup] : 0.0f;
     int8_t q[kVec];
     if (e + kVec <= n) {
       *reinterpret_cast<CodeWord*>(q) = *reinterpret_cast<const CodeWord*>(m + e);
@@ -167,30 +179,30 @@ struct FastStages {
       for (int t = 0; t < kVec; ++t) q[t] = e + t < n ? m[e + t] : 0;
     }
 #pragma unroll
-    for (int t = 0; t < kVec; ++t) v[t] = e + t < n ? state_value(q[t], scale) : 0.0f;
+    for (int t = 0; t < kVec; ++t) v[t] = e + t < n ? mul_rn(code_value(q[t]), scale) : 0.0f;
   }
   // The int8 state's store of this lane's kVec new values v at element e: the group's largest
-  // |v| over its kLanes lanes (every lane of the group calls this together; values past n do
-  // not count), the scale and codes of echo_common.h, the codes, and the scale by the group's
-  // first lane. Each lane read the old scale before (load_update), and the shuffles order those
-  // reads before the one write.
+  // |v| over its kLanes lanes (an integer max of |v|'s bits; every lane of the group calls this
+  // together; values past n do not count), its scale (echo_common.h state_scale_of_bits), the
+  // codes, and the scale by the group's first lane, unless the group is padding alone. Each
+  // lane read the old scale before (load_update), and the shuffles order those reads before
+  // the one write.
   __device__ static void store_state_group(const KernelArgs& a, void* m, float* s, int64_t e,
                                            const float* v) {
-    float amax = 0.0f;
+    uint32_t amax = 0;
 #pragma unroll
     for (int t = 0; t < kVec; ++t)
-      if (e + t < a.n) amax = max_f(amax, abs_f(v[t]));
+      if (e + t < a.n) amax = max(amax, __float_as_uint(v[t]) & 0x7FFFFFFFu);
     const unsigned lane = threadIdx.x % 32;
     const unsigned mask =
         kLanes == 32 ? 0xFFFFFFFFu : ((1u << kLanes) - 1u) << (lane / kLanes * kLanes);
 #pragma unroll
     for (int off = kLanes / 2; off > 0; off /= 2)
-      amax = max_f(amax, __shfl_xor_sync(mask, amax, off));
-    const float scale = state_scale(amax);
-    const float inv = state_inverse(scale);
+      amax = max(amax, __shfl_xor_sync(mask, amax, off));
+    const StateScale sc = state_scale_of_bits(amax);
     int8_t q[kVec];
 #pragma unroll
-    for (int t = 0; t < kVec; ++t) q[t] = state_code(v[t], inv);
+    for (int t = 0; t < kVec; ++t) q[t] = code_of(mul_rn(v[t], sc.inv));
     int8_t* codes = static_cast<int8_t*>(m);
     if (e + kVec <= a.n) {
       *reinterpret_cast<CodeWord*>(codes + e) = *reinterpret_cast<const CodeWord*>(q);
@@ -199,7 +211,7 @@ struct FastStages {
       for (int t = 0; t < kVec; ++t)
         if (e + t < a.n) codes[e + t] = q[t];
     }
-    if (lane % kLanes == 0) s[e / kStateGroup] = scale;
+    if (lane % kLanes == 0 && e < a.n) s[e / kStateGroup] = sc.s;
   }
   // kVec fp32 values stored at element e (a bf16 state rounded to nearest even); none past n.
   __device__ static void store_state(const KernelArgs& a, void* m, int64_t e, const float* v) {

@@ -99,6 +99,13 @@ def _wrong_beta():
            owner=compensator.Coefficients)
 
 
+def _int8_scale_a_power_coarser():
+    from echo_jax import compensator
+    mutate(compensator, "state_scale",
+           ("jnp.where(fits, exponent - 6, exponent - 5)", "jnp.where(fits, exponent - 5, "
+            "exponent - 5)"))
+
+
 def _straight_through_3t():
     from echo_jax import collective
     mutate(collective, "_allreduce_f32_jvp", ("lax.psum(t, axis)", "3 * t"))
@@ -280,7 +287,8 @@ def _unbound_axis_value_error():
 # of echo_jax._ffi's handlers before any test runs. The build is cached by the hash of its inputs
 # in the temporary directory (about 6 s on 2 cores the first time).
 _NATIVE_SOURCE = "ffi/echo_allreduce_cpu.cc"
-_NATIVE_HANDLERS = ("echo_allreduce_cpu", "echo_allreduce_comp_cpu", "echo_allreduce_applied_cpu")
+_NATIVE_HANDLERS = ("echo_allreduce_cpu", "echo_allreduce_comp_cpu", "echo_allreduce_applied_cpu",
+                    "echo_allreduce_comp_q8_cpu")
 
 
 def native_unavailable():
@@ -368,6 +376,15 @@ def _owner_sums_in_reverse_rank_order():
 
 
 _owner_sums_in_reverse_rank_order.unavailable = native_unavailable
+
+
+def _int8_state_keeps_the_old_scale():
+    """The CPU handler's int8 store writes a group's new codes but leaves its old scale."""
+    _native_mutant("q8_old_scale", ("  s[k0 / echo::kStateGroup] = sc.s;\n", "\n"),
+                   source="ffi/cpu_protocol.h")
+
+
+_int8_state_keeps_the_old_scale.unavailable = native_unavailable
 
 
 C = "tests/echo_jax/test_collective.py::"
@@ -504,6 +521,17 @@ MUTANTS = {
         "the CPU handler's owner sums its segment in rank order P-1..0 (C++ mutant, built)",
         _owner_sums_in_reverse_rank_order,
         [G + "test_owner_sums_in_rank_order_on_a_rounding_boundary"]),
+    "int8_scale_a_power_coarser": (
+        "the int8 state's scale is twice the smallest power of two that holds max|v| / 127",
+        _int8_scale_a_power_coarser,
+        ["tests/echo_jax/test_state_int8.py::test_the_format_matches_the_numpy_reference",
+         "tests/echo_jax/test_state_int8.py::"
+         "test_one_call_matches_algorithm_1_with_the_int8_store"]),
+    "int8_state_keeps_the_old_scale": (
+        "the CPU handler's int8 state store leaves a group's old scale (C++ mutant, built)",
+        _int8_state_keeps_the_old_scale,
+        ["tests/echo_jax/test_state_int8.py::"
+         "test_the_cpu_call_matches_the_jax_path_bit_for_bit[f32]"]),
 }
 
 

@@ -1,9 +1,9 @@
 """`EchoConfig.state_dtype="int8"`: the compensator state as 8-bit codes with a per-group scale.
 
 Checked against a NumPy reference written here from the format's definition (compensator module
-docstring): per group of 128 consecutive values of a rank's flattened average,
-s = max|v| * fp32(1/127) rounded to fp32, q = rne(v * fp32(1 / s)) clipped to +-127, read back as
-fp32(q * s); Algorithm 1 (Eqs. 4, 10, 11) in fp32 on the values read back. Also: zero and
+docstring): per group of 128 consecutive values of a rank's flattened average, s the smallest
+power of two with 127 s >= max|v| (0 below 2^-100), q = rne(v / s), read back as q * s;
+Algorithm 1 (Eqs. 4, 10, 11) in fp32 on the values read back. Also: zero and
 non-finite groups, init_state / check_state, the plan (the custom calls fuse it with group_size
 128; elsewhere it runs in JAX around the call), the CPU call bit for bit against the JAX path
 (the CUDA kernels: tests/echo_jax/test_p2p_cuda.py), and a scan carry.
@@ -32,13 +32,23 @@ def ref_quantize(v):
     groups = -(-n // 128)
     g = np.zeros(groups * 128, F32)
     g[:n] = v
-    g = g.reshape(groups, 128)
-    amax = np.abs(g.astype(np.float64)).max(axis=1)
-    scale = (amax * np.float64(F32(1 / 127))).astype(F32)  # one rounding of the exact product
-    with np.errstate(divide="ignore", invalid="ignore"):
-        inv = np.where(scale > 0, (1.0 / scale.astype(np.float64)).astype(F32), F32(0))
-    prod = (g.astype(np.float64) * inv[:, None].astype(np.float64)).astype(F32)
-    q = np.clip(np.round(prod), -127, 127).astype(np.int8)  # np.round: half to even
+    g = g.reshape(groups, 128).astype(np.float64)
+    scale = np.zeros(groups, F32)
+    q = np.zeros((groups, 128), np.int8)
+    for i, row in enumerate(g):
+        amax = np.abs(row).max()
+        if not np.isfinite(amax):
+            scale[i] = amax           # a non-finite group: its scale is max|v|, its codes 0
+            continue
+        if amax < 2.0 ** -100:
+            continue                  # stored as zeros
+        e = int(np.floor(np.log2(amax))) - 6
+        while 127 * 2.0 ** e < amax:  # the smallest power of two s with 127 s >= max|v|
+            e += 1
+        while 127 * 2.0 ** (e - 1) >= amax:
+            e -= 1
+        scale[i] = 2.0 ** e
+        q[i] = np.clip(np.round(row / 2.0 ** e), -127, 127)  # np.round: half to even
     return q.reshape(-1)[:n], scale
 
 
@@ -50,10 +60,15 @@ def ref_read(q, scale):
 
 def test_the_format_matches_the_numpy_reference():
     rng = np.random.default_rng(0)
-    # 20000 values: 157 groups, enough that a scale rounded another way (the quotient
-    # max|v| / 127) differs in some group.
+    # Magnitudes from 1e-35 (below 2^-100: zeros) to 3e38 (near fp32's largest), and groups
+    # whose max|v| sits exactly at 127 times a power of two (the comparison's edge).
     for n in (1, 127, 128, 300, 1000, 20000):
-        v = (rng.standard_normal(n) * rng.choice([1e-6, 1.0, 3e4], size=n)).astype(F32)
+        v = (rng.standard_normal(n) * rng.choice([1e-35, 1e-6, 1.0, 3e4], size=n)).astype(F32)
+        if n >= 300:
+            v[:128] = 0.25
+            v[5] = 127 * 2.0 ** -3        # exactly 127 s: s = 2^-3, code 127
+            v[128:256] *= F32(1e-32)
+            v[256] = F32(3e38)
         q, s = comp.quantize_state(jnp.asarray(v))
         rq, rs = ref_quantize(v)
         assert q.dtype == jnp.int8 and q.shape == (n,) and s.shape == (-(-n // 128),)
