@@ -142,6 +142,18 @@ def test_virtual_ranks_compensated_match_reference(cuda, nranks, bits):
     same_bits(new.m2, rnew.m2)
 
 
+def two_calls(cuda, cfg, x1, x2, state):
+    """Two chained compensated virtual calls (the second reads the state the kernels wrote),
+    compiled, and the xla transport's two: ((y1, s1, y2, s2), ((ry1, rs1), (ry2, rs2)))."""
+
+    def two(a, b, s):
+        y1, s1 = cuda.virtual_allreduce(a, cfg, s)
+        y2, s2 = cuda.virtual_allreduce(b, cfg, s1)
+        return y1, s1, y2, s2
+    r1 = reference_allreduce(x1, cfg, state)
+    return jax.jit(two)(x1, x2, state), (r1, reference_allreduce(x2, cfg, r1[1]))
+
+
 @pytest.mark.parametrize("nranks", [2, 4])
 @pytest.mark.parametrize("xdtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("rotation", ["none", "hadamard"])
@@ -162,14 +174,7 @@ def test_virtual_ranks_bf16_state_match_reference(cuda, nranks, xdtype, rotation
             jnp.asarray(0.1 * rng.standard_normal((nranks, n)), jnp.bfloat16),
             jnp.asarray(-0.05 * rng.standard_normal((nranks, n)), jnp.bfloat16))
         what = f"P={nranks} {xdtype} bits={bits} g={g} n={n} rotation={rotation}"
-
-        def two(a, b, s):
-            y1, s1 = cuda.virtual_allreduce(a, cfg, s)
-            y2, s2 = cuda.virtual_allreduce(b, cfg, s1)
-            return y1, s1, y2, s2
-        got = jax.jit(two)(x1, x2, st)
-        r1 = reference_allreduce(x1, cfg, st)
-        r2 = reference_allreduce(x2, cfg, r1[1])
+        got, (r1, r2) = two_calls(cuda, cfg, x1, x2, st)
         for (y, new), (ry, rnew), step in (((got[0], got[1]), r1, 1), ((got[2], got[3]), r2, 2)):
             assert new.m1.dtype == new.m2.dtype == jnp.bfloat16, what
             same_bits(y, ry, f"{what} call {step}: y")
@@ -210,14 +215,7 @@ def test_virtual_ranks_int8_state_match_reference(cuda, xdtype, rotation):
         what = f"P={nranks} {xdtype} bits={bits} n={n} rotation={rotation} nan={nan}"
         zero = jax.vmap(lambda v: ej.init_state(v, cfg))(x0)
         st = reference_allreduce(x0, cfg, zero)[1]  # a live state: codes and scales not zero
-
-        def two(a, b, s):
-            y1, s1 = cuda.virtual_allreduce(a, cfg, s)
-            y2, s2 = cuda.virtual_allreduce(b, cfg, s1)
-            return y1, s1, y2, s2
-        got = jax.jit(two)(x1, x2, st)
-        r1 = reference_allreduce(x1, cfg, st)
-        r2 = reference_allreduce(x2, cfg, r1[1])
+        got, (r1, r2) = two_calls(cuda, cfg, x1, x2, st)
         for (y, new), (ry, rnew), step in (((got[0], got[1]), r1, 1), ((got[2], got[3]), r2, 2)):
             assert new.quantized and new.m1.codes.dtype == jnp.int8, what
             same_bits_or_both_nan(y, ry, f"{what} call {step}: y")
