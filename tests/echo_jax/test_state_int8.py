@@ -204,6 +204,23 @@ def test_the_cpu_call_matches_the_jax_path_bit_for_bit(dtype, rotation):
     assert np.isnan(np.asarray(s_call.m1.scales)).any()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("nranks, n", [(3, 5), (8, 300), (8, 1025), (2, 127)])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_the_cpu_call_matches_the_jax_path_on_odd_layouts(nranks, n, dtype, rotation):
+    """The grid behind the case above: P up to 8 (segments of padding alone), n below one group
+    and not a multiple of 128, both bit widths (odd n: 8 bits), large values (rescaled)."""
+    xs = np.asarray(jax.random.normal(jax.random.key(nranks * 1000 + n), (nranks, n)), F32)
+    xs = jnp.asarray(xs * 50).astype(dtype)
+    cfg = INT8.replace(transport="p2p", rotation=rotation, bits=8 if n % 2 else 4)
+    (y_call, s_call), _ = _sites_under_shard_map(cfg, xs, 2)
+    (y_ref, s_ref), _ = _sites_under_shard_map(cfg.replace(transport="xla"), xs, 2)
+    np.testing.assert_array_equal(np.asarray(y_call), np.asarray(y_ref))
+    for got, want in zip(jax.tree.leaves(s_call), jax.tree.leaves(s_ref), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_the_explicit_call_names_what_to_fix():
     from echo_jax.transports import cpu
     x = jnp.zeros((256,), jnp.float32)
