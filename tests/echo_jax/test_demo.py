@@ -164,6 +164,8 @@ def test_partial_sums_within_paper_bounds(result, rows):
     assert comp["max_partial_sum"] <= bound * (1 + 1e-4)
 
 
+@pytest.mark.slow   # the demo's stack once more at eta = 1; the fast set runs the stack (the
+#                    `result` fixture) and Theorem 1 at eta = 1 (test_compensator.py)
 def test_theorem1_at_full_gain():
     _need_devices()
     comp = {r["mode"]: r for r in demo.run_demo(**TINY, eta=1.0)["rows"]}["4-bit comp"]

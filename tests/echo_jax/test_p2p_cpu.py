@@ -724,6 +724,7 @@ def test_dp_tp_mesh_concurrent_groups():
     assert_same_bits(a, b, "tp, check_vma=False")
 
 
+@pytest.mark.slow   # 1000 calls of the paths that the bit-for-bit tests above run once each
 def test_repeated_calls_stay_correct():
     """>= 1000 calls: a jitted loop of 2 x 500 calls on two shapes, plus separate executions."""
     num_ranks = 4

@@ -291,28 +291,49 @@ def test_a_scan_over_sites_and_grad_match_in_call_for_float32():
     assert float(jnp.abs(got[2].m1).max()) > 0
 
 
-@pytest.mark.grid("bfloat16")
+def _comms_from_the_cli_flag():
+    """{"in_call", "separate"}: the CommConfig of `--tp 2 --bits 4 --state-update U`, parsed as
+    the model CLIs parse it."""
+    import argparse
+
+    from models.cli import add_comm_args, comm_from_args
+
+    ap = argparse.ArgumentParser()
+    add_comm_args(ap)
+    return ap, {u: comm_from_args(ap.parse_args(["--tp", "2", "--bits", "4",
+                                                 "--state-update", u]))
+                for u in ("in_call", "separate")}
+
+
+def test_the_cli_flag_sets_the_state_update():
+    """`--state-update separate` reaches the EchoConfig of the model CLIs; a bad value is a usage
+    error. (That the model's sites then run it: the training step below, slow set, and
+    test_the_annotated_update_runs_under_remat_and_grad.)"""
+    from models.cli import comm_from_args
+
+    ap, comms = _comms_from_the_cli_flag()
+    assert comms["separate"].echo.state_update == "separate"
+    assert comms["in_call"].echo.state_update == "in_call"
+    assert comm_from_args(ap.parse_args(["--tp", "2"])).tp == 2
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--state-update", "beside"])
+
+
+@pytest.mark.slow   # a tiny model's forward and backward twice; the flag's parsing is in the
+#                    fast set (above), the separate update in a model's sites too (below)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_model_training_step_through_the_cli_flag(dtype):
     """`--state-update separate` reaches every site of a model: a tiny model's loss and gradient
     (P = 2 simulated ranks, forward and backward sites compensated) equal "in_call"'s bit for
     bit in float32; in bfloat16 the run is finite and its final backward state differs (the
     16-bit outputs' rounding is fed back)."""
-    import argparse
     import dataclasses
 
     from models import config as C
     from models import model as M
-    from models.cli import add_comm_args, comm_from_args
 
-    ap = argparse.ArgumentParser()
-    add_comm_args(ap)
-    comms = {u: comm_from_args(ap.parse_args(["--tp", "2", "--bits", "4", "--state-update", u]))
-             for u in ("in_call", "separate")}
+    _, comms = _comms_from_the_cli_flag()
     assert comms["separate"].echo.state_update == "separate"
-    assert comm_from_args(ap.parse_args(["--tp", "2"])).tp == 2
-    with pytest.raises(SystemExit):
-        ap.parse_args(["--state-update", "beside"])
 
     cfg = dataclasses.replace(C.get_config("tiny"), dtype=dtype)
     st = M.shard_params(M.init_params(jax.random.key(0), cfg), 2, cfg)

@@ -284,6 +284,8 @@ def test_eval_rotation_flag(run, capsys):
     assert "group_size" in capsys.readouterr().err
 
 
+@pytest.mark.slow   # --rotation applied through eval's CLI is in the fast set:
+#                    test_eval_rotation_flag (the evaluation changes, not only the record)
 def test_rotation_flag_changes_the_sites():
     """--rotation hadamard, parsed as the CLIs parse it, changes what the sites compute: the
     model's logits differ from the same run with --rotation none (and both from the exact

@@ -282,6 +282,8 @@ def _bigram_batch(step, perm, batch=8, length=32):
     return s[:, :-1], s[:, 1:]
 
 
+@pytest.mark.slow   # 2 x 50 steps; the Echo 4-bit training step runs in the fast set through
+#                    models.train (tests/models/test_cli.py: the loss goes down)
 def test_echo_4bit_training_learns_like_exact(full):
     perm = np.random.default_rng(0).permutation(32)           # a fixed bigram map to learn
     curves = {}
@@ -382,8 +384,8 @@ def test_bad_input_errors(full, data):
 # per-layer bits, remat
 
 
-def test_early_8bit_and_remat(data):
-    x, y = data
+def test_early_8bit_lowers_the_error(data):
+    x, _ = data
     full = M.init_params(jax.random.key(3), TINY)
     st = M.shard_params(full, 4, TINY)
     ref = M.apply_simulated(st, x, TINY, C.CommConfig(tp=4))
@@ -392,7 +394,13 @@ def test_early_8bit_and_remat(data):
                        ("8/4", C.CommConfig(tp=4, echo=ECHO4, early_8bit=True))):
         errs[name] = rel_err(M.apply_simulated(st, x, TINY, comm), ref)
     assert errs["8/4"] < errs["4"], errs                     # the first layer at 8 bits helps
-    # Rematerialised layers give the same gradients.
+
+
+@pytest.mark.slow   # remat=True runs in the fast set too: test_state_update.py's annotated
+#                    update under remat and grad (a tiny model, simulated ranks)
+def test_remat_gives_the_same_gradients(data):
+    x, y = data
+    full = M.init_params(jax.random.key(3), TINY)
     mesh = make_mesh((2,), ("tp",))
     st2 = M.shard_params(full, 2, TINY)
     l1, g1 = M.loss_and_grad_sharded(st2, x, y, TINY, C.CommConfig(tp=2), mesh)
