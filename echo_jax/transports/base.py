@@ -40,10 +40,13 @@ WIDE_STATE_DTYPES = ("float32", "bfloat16")
 STATE_GROUP = comp.STATE_GROUP
 
 
-def state_arrays(m) -> tuple:
-    """The operands of one state average in a compensated call: (m,), or an int8 state's
-    (codes, scales)."""
-    return (m.codes, m.scales) if isinstance(m, comp.QuantizedMoment) else (m,)
+def state_operands(m1, m2) -> tuple[list, tuple]:
+    """A compensated call's state operands (after x) and their result types: [m1, m2], or an
+    int8 state's [codes, scales] of each; every one is updated in place (operand and result
+    i + 1 aliased, y being result 0)."""
+    arrays = [a for m in (m1, m2) for a in (
+        (m.codes, m.scales) if isinstance(m, comp.QuantizedMoment) else (m,))]
+    return arrays, tuple(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in arrays)
 
 
 def state_codes(m):
@@ -52,7 +55,7 @@ def state_codes(m):
 
 
 def state_from_arrays(arrays) -> tuple:
-    """`state_arrays` of m1 and m2 undone: (m1, m2) from a call's 2 or 4 state results."""
+    """`state_operands` undone: (m1, m2) from a call's 2 or 4 state results."""
     if len(arrays) == 4:
         return comp.QuantizedMoment(*arrays[:2]), comp.QuantizedMoment(*arrays[2:])
     return tuple(arrays)

@@ -280,7 +280,8 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
         if isinstance(m, comp.QuantizedMoment) and want == jnp.int8:
             base.check_quantized_moment(where, name, m, shape[0])
             continue
-        if isinstance(m, comp.QuantizedMoment) or jnp.size(m) != shape[0] or jnp.result_type(m) != want:
+        if (isinstance(m, comp.QuantizedMoment) or jnp.size(m) != shape[0]
+                or jnp.result_type(m) != want):
             raise ValueError(f"{where}: {name} must be {want} with {shape[0]} elements (x_flat32's "
                              f"size, EchoConfig.state_dtype={config.state_dtype!r} for every dtype "
                              f"of x), got {jnp.result_type(m)}{list(jnp.shape(m))}; use the "
@@ -386,8 +387,7 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     n = jnp.shape(x_flat32)[0]
     y_type = jax.ShapeDtypeStruct((n,), x_flat32.dtype)
     # The state's arrays (an int8 state's codes and scales), each updated in place.
-    state = list(base.state_arrays(m1_flat)) + list(base.state_arrays(m2_flat))
-    types = tuple(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in state)
+    state, types = base.state_operands(m1_flat, m2_flat)
     target = TARGET_COMPENSATED_Q8 if len(state) == 4 else TARGET_COMPENSATED
     call = jax.ffi.ffi_call(target, (y_type,) + types, vmap_method="sequential",
                             input_output_aliases={i + 1: i + 1 for i in range(len(state))})

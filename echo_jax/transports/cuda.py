@@ -273,9 +273,8 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
         y = y.reshape(x.shape)
         return y, update_state(x, y, state, num_ranks, config)
     if state.quantized:  # codes [P, n] and scales [P, groups of a row], each updated in place
-        rows = [jax.tree.map(lambda a: a.reshape(num_ranks, -1), m) for m in state]
-        arrays = [a for m in rows for a in m]
-        types = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+        arrays, types = base.state_operands(
+            *(jax.tree.map(lambda a: a.reshape(num_ranks, -1), m) for m in state))
         y, *new = jax.ffi.ffi_call(
             "echo_allreduce_virtual_comp_q8_cuda", (y_type,) + types,
             input_output_aliases={i: i for i in range(1, 5)})(
@@ -374,8 +373,7 @@ def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None, fact
     if state.quantized:  # codes and scales, each updated in place
         if applied:
             raise ValueError("rank_allreduce: the applied call takes no int8 state")
-        arrays = [a for m in state for a in base.state_arrays(m)]
-        types = tuple(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in arrays)
+        arrays, types = base.state_operands(*state)
         y, *new = jax.ffi.ffi_call("echo_allreduce_comp_q8_cuda", (y_type,) + types,
                                    input_output_aliases={i: i for i in range(1, 5)})(
             x, *arrays, factor_operand(factor, like=x), **attrs)
