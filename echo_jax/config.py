@@ -60,8 +60,8 @@ class EchoConfig:
         The fused custom calls (CPU and CUDA) take either dtype, with the same bits as the
         xla transport's apply and update steps in JAX. "int8": m1, m2 as 8-bit codes with one
         fp32 scale per 128 values (`echo_jax.compensator.STATE_GROUP`; a quarter of the fp32
-        state's bytes): fused into the CPU custom call with group_size=128, else run in JAX
-        around the uncompensated call (the call plan says why).
+        state's bytes): fused into the custom calls (CPU and CUDA) with group_size=128, else
+        run in JAX around the uncompensated call (the call plan says why).
       state_update: where a compensated call's update step (Eq. 4 and 11) runs. "in_call"
         (default): inside the all-reduce, where y is produced (the fused custom calls' exit
         pass: the fewest bytes, but on the critical path). "separate": the call runs the apply

@@ -450,6 +450,8 @@ def call_modes(transport: base.Transport, config: EchoConfig,
         elif state_dtype == "int8" and config.group_size != base.STATE_GROUP:
             why = (f"the call's int8 state needs group_size {base.STATE_GROUP} (a wire group is "
                    f"a state group), got {config.group_size}")
+        else:
+            why = transport.fused_state_reason(config, state_dtype)
         if why is not None:
             compensation = "jax"
             if why:

@@ -154,6 +154,16 @@ class Transport(abc.ABC):
         (the bits of `echo_jax.transports.xla.rotated_allreduce`); False: rotate in JAX."""
         return False
 
+    def fused_state_reason(self, config, state_dtype: str) -> str | None:
+        """Why the fused calls cannot take this state here beyond ``fused_state_dtypes`` (None
+        where they can), as the end of "compensation in JAX: ...".
+
+        Args:
+          config: the call's EchoConfig.
+          state_dtype: a dtype name of ``fused_state_dtypes``.
+        """
+        return None
+
     def allreduce_compensated(self, x_flat, m1, m2, axis, num_ranks: int, config, factor=None):
         """Algorithm 1 of the Echo paper fused into the call: (y, m1_new, m2_new). Only where
         ``fused_state_dtypes`` lists the state's dtype."""

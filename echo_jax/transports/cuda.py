@@ -15,17 +15,18 @@ All of them return the same bits as the pure-JAX reference (`echo_jax.quant`,
 `echo_jax.collective.xla_allreduce`, `echo_jax.compensator`). With `EchoConfig.rotation="hadamard"`
 the all-reduce kernels rotate every group themselves (groups up to `MAX_ROTATED_GROUP`; the
 reference is `echo_jax.transports.xla.rotated_allreduce`), compensated or not. The fused
-compensated calls take the state in fp32 or bfloat16 (`FUSED_STATE_DTYPES`,
+compensated calls take the state in fp32, bfloat16 or int8 (`FUSED_STATE_DTYPES`,
 `EchoConfig.state_dtype`): a bfloat16 m1, m2 is widened on load and rounded to nearest even on
-store inside the kernels, the bits of `echo_jax.compensator`'s bfloat16 state.
+store inside the kernels, an int8 one decoded and encoded with its group's power-of-two scale,
+the bits of `echo_jax.compensator`'s state formats.
 """
 
 from __future__ import annotations
 
-import sys
-
 import ctypes
 import functools
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -49,12 +50,14 @@ MAX_ROTATED_GROUP = 1024
 
 POLICY_CODES = policies.CODES
 
-#: The state dtypes (`EchoConfig.state_dtype`) the plan gives the fused compensated kernels. The
-#: int8 state's kernels (FastStages with S = int8_t, group_size 128; `virtual_allreduce` and
-#: `rank_allreduce` take a `QuantizedMoment` state) are not among them: their GPU test
-#: (`test_virtual_ranks_int8_state_match_reference`) has not passed on a GPU, so on GPUs the
-#: plan runs the int8 state in JAX around the call.
-FUSED_STATE_DTYPES = ("float32", "bfloat16")
+#: The state dtypes (`EchoConfig.state_dtype`) the fused compensated kernels take. The int8
+#: state (a `QuantizedMoment`) runs in the fast stages only (FastStages with S = int8_t): group_size
+#: 128, the update in the call, 16-byte aligned buffers, `GENERIC_ENV` unset; the plan checks the
+#: first two (`transports.call_modes`) and the last (`CudaTransport.fused_state_reason`).
+FUSED_STATE_DTYPES = ("float32", "bfloat16", "int8")
+#: Set to anything but "" or "0", the handlers run the generic stages only (tests); read once
+#: per process by the module.
+GENERIC_ENV = "ECHO_JAX_GENERIC_QUANT"
 #: The contribution dtypes of the calls and of `update_state`.
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -494,7 +497,7 @@ def allreduce_applied(x_flat, m1_flat, m2_flat, axis, num_ranks: int, config: Ec
 
 class CudaTransport(base.CustomCallTransport):
     """The CUDA custom calls (`echo_jax._ffi_cuda`, one GPU per rank, peer-to-peer writes) as
-    a `Transport`; it takes both state dtypes of FUSED_STATE_DTYPES and runs the separate update
+    a `Transport`; it takes the state dtypes of FUSED_STATE_DTYPES and runs the separate update
     as one kernel pass (`update_state`)."""
 
     name = NAME
@@ -503,6 +506,12 @@ class CudaTransport(base.CustomCallTransport):
 
     def update_separate(self, x, y, state, num_ranks, config):
         return update_state(x, y, state, num_ranks, config)
+
+    def fused_state_reason(self, config, state_dtype):
+        if state_dtype == "int8" and os.environ.get(GENERIC_ENV, "") not in ("", "0"):
+            return (f"the call's int8 state runs in the fast stages only, and {GENERIC_ENV} "
+                    f"asks for the generic ones (unset it)")
+        return None
 
 
 #: This transport, as the object the call plan holds.
@@ -514,4 +523,4 @@ __all__ = ["TRANSPORT", "CudaTransport", "update_state", "DTYPES", "NAME", "unav
            "fused_rotation", "MAX_ROTATED_GROUP", "FUSED_STATE_DTYPES", "available", "build_info",
            "register",
            "quantize", "dequantize", "virtual_allreduce",
-           "rank_allreduce", "mesh_groups", "MAX_RANKS", "TIMEOUT_ENV", "POLICY_CODES"]
+           "rank_allreduce", "mesh_groups", "MAX_RANKS", "TIMEOUT_ENV", "POLICY_CODES", "GENERIC_ENV"]

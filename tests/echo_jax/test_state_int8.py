@@ -18,6 +18,7 @@ from jax import lax
 import echo_jax as ej
 from echo_jax import compensator as comp
 from echo_jax import transports
+from echo_jax.transports import cuda
 from conftest import as_varying
 from np_reference import coefficients
 
@@ -135,7 +136,7 @@ def test_one_call_matches_algorithm_1_with_the_int8_store():
                                           rs.view(np.uint32))
 
 
-def test_the_plan_fuses_it_where_a_wire_group_is_a_state_group():
+def test_the_plan_fuses_it_where_a_wire_group_is_a_state_group(monkeypatch):
     t = transports.CPU
     for cfg in (INT8, INT8.replace(rotation="hadamard")):
         rotation, compensation, reasons = transports.call_modes(t, cfg, "int8")
@@ -147,9 +148,17 @@ def test_the_plan_fuses_it_where_a_wire_group_is_a_state_group():
     # The separate update's kernel takes the wide states only.
     assert transports.plan_with(t, INT8.replace(state_update="separate"),
                                 state_dtype="int8").separate_update == "jax"
-    # The CUDA kernels' int8 instances are not planned (cuda.FUSED_STATE_DTYPES says why).
+    # The CUDA kernels' int8 instances (fast stages only): planned, but not where the handlers
+    # are told to run the generic stages.
+    for cfg in (INT8, INT8.replace(rotation="hadamard")):
+        assert transports.call_modes(transports.CUDA, cfg, "int8")[1:] == ("fused", ())
+    assert transports.call_modes(transports.CUDA, INT8.replace(group_size=64), "int8")[1] == "jax"
+    monkeypatch.setenv(cuda.GENERIC_ENV, "1")
     rotation, compensation, reasons = transports.call_modes(transports.CUDA, INT8, "int8")
-    assert compensation == "jax" and any("no int8 state" in r for r in reasons)
+    assert compensation == "jax" and any("fast stages only" in r and cuda.GENERIC_ENV in r
+                                         for r in reasons), reasons
+    monkeypatch.setenv(cuda.GENERIC_ENV, "0")
+    assert transports.call_modes(transports.CUDA, INT8, "int8")[1] == "fused"
 
 
 def _sites_under_shard_map(cfg, xs, steps):
