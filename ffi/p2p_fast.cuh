@@ -59,10 +59,11 @@ struct FastStages {
   static constexpr int kPieceBytes = kVec * BITS / 8;
   static constexpr int kCodeBytes = G * BITS / 8;
   // Blocks of kThreads an SM that ptxas must fit (__launch_bounds__; kernel_of), uncompensated
-  // instances (ECHO_P2P_MIN_BLOCKS_32 / _16, rotated: _ROT_32 / _ROT_16) and the applied call's
-  // unrotated 16-bit ones (_APPLIED_16); 1: no bound.
+  // instances (ECHO_P2P_MIN_BLOCKS_32 / _16, rotated: _ROT_32 / _ROT_16), the applied call's
+  // unrotated 16-bit ones (_APPLIED_16) and the int8 state's (_Q8); 1: no bound.
   static constexpr int kMinBlocks =
-      COMP ? (!UPDATE && !ROT && sizeof(T) == 2 ? ECHO_P2P_MIN_BLOCKS_APPLIED_16 : 1)
+      COMP ? (kStateQ8 ? ECHO_P2P_MIN_BLOCKS_Q8
+              : !UPDATE && !ROT && sizeof(T) == 2 ? ECHO_P2P_MIN_BLOCKS_APPLIED_16 : 1)
       : ROT ? (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_ROT_32 : ECHO_P2P_MIN_BLOCKS_ROT_16)
             : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);
 

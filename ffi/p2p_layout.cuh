@@ -52,6 +52,13 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_MIN_BLOCKS_APPLIED_16
 #define ECHO_P2P_MIN_BLOCKS_APPLIED_16 1
 #endif
+// The int8 state's instances (compensated, g = 128): ptxas gives the unrotated 16-bit ones 80
+// registers (3 blocks an SM) against the 64 of the bf16 state's, the rotated ones 114-116 (2).
+// No bound (1) until a bound is shown to pay; a build may try 4 (ptxas: 64 registers and 92-148
+// bytes of spills, bf16 x) or 3.
+#ifndef ECHO_P2P_MIN_BLOCKS_Q8
+#define ECHO_P2P_MIN_BLOCKS_Q8 1
+#endif
 // 1: the 16-bit uncompensated unrotated push takes its group range before scaling, over the
 // unpacked fp32 values, as the fp32 one (push_plain; ptxas: 48 registers under the bound, a
 // little more spill than the default). 0: the order-key push (the default).

@@ -1,10 +1,36 @@
 """Test setup: 8 fake CPU devices (before JAX starts), GPU marker, mesh helpers."""
 
 import os
+import shutil
+import tempfile
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+#: Set by the process that made the run's compilation cache (the folder is its to delete).
+_CACHE_OWNER_ENV = "ECHO_JAX_TESTS_CACHE_OWNER"
+
+
+def _share_compiled_programs():
+    """One JAX persistent compilation cache for the run, in a new temporary folder: many tests
+    compile the same program (the same call on the same shapes, another function object), and
+    the xdist workers and the subprocesses of the tests, which inherit this environment, share
+    what one of them compiled. A loaded executable is the one XLA compiled, so results keep
+    their bits. Not where the user set a cache; off under a mutant (tests/mutants.py), whose
+    rewritten C++ handler a program's key does not see."""
+    if os.environ.get("ECHO_JAX_MUTANT"):
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # inherited from the parent run
+        return
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="echo_jax_tests_jit_")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    os.environ[_CACHE_OWNER_ENV] = str(os.getpid())
+
+
+_share_compiled_programs()
 
 import jax  # noqa: E402
 from jax import lax  # noqa: E402
@@ -65,6 +91,12 @@ def pytest_cmdline_main(config):
     config.option.numprocesses = "auto"
     config.option.dist = "loadfile"
     return None
+
+
+def pytest_unconfigure(config):
+    """The process that made the run's compilation cache deletes it."""
+    if os.environ.get(_CACHE_OWNER_ENV) == str(os.getpid()):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist, absent without it

@@ -32,6 +32,8 @@ WORKERS = max(1, min(2, os.cpu_count() or 1))
 def run_killers(name):
     env = dict(os.environ)
     env[ENV] = name
+    # No compiled program from the parent run: a program's key does not see a C++ mutant.
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"),
                                                       env.get("PYTHONPATH")]))
     # One process (the mutant is applied in this one), every killer, slow or not.
