@@ -271,3 +271,28 @@ def test_the_layers_and_the_gspmd_helpers_refuse_it_with_the_fix():
                         mesh=jax.make_mesh((1,), ("tp",)), config=INT8)
     with pytest.raises(ValueError, match=r"reset: .*'int8'.*not yet with the Flax layers"):
         sites.zero_state(jnp.zeros((4, 8)), config=INT8, mode="local")
+
+
+def test_a_backward_site_refuses_it_with_the_fix_and_a_forward_site_takes_it():
+    """The backward site carries its state as a cotangent, and JAX gives an int8 array a float0
+    cotangent: the int8 state is refused there (the config or the state), with the fix."""
+    from echo_jax import tp
+    x = jax.random.normal(jax.random.key(5), (2, 256))
+
+    def backward(v, cfg, st):
+        return tp.backward_site(v, "tp", cfg, st)[0]
+
+    for cfg, st in ((INT8, lambda v: ej.init_state(v, INT8)),
+                    (INT8.replace(state_dtype="float32"), lambda v: ej.init_state(v, INT8))):
+        with pytest.raises(ValueError, match=r"backward_site: .*'int8'.*cotangent.*"
+                                             r"use state_dtype='bfloat16' or 'float32'"):
+            jax.vmap(lambda v: backward(v, cfg, st(v)), axis_name="tp")(x)
+
+    def forward(v):
+        y, s = tp.forward_site(v, "tp", INT8, ej.init_state(v, INT8))
+        return y, s
+
+    y, s = jax.jit(jax.vmap(forward, axis_name="tp"))(x)
+    assert s.m1.codes.dtype == jnp.int8
+    want = np.asarray(x, np.float64).sum(0)
+    assert np.abs(np.asarray(y[0], np.float64) - want).max() < 0.5 * np.abs(want).max()
