@@ -160,6 +160,7 @@ ROW_LABELS = {
 MEASURED_COMP_ROWS = {
     ("comp-fused", 4.0): "p2p4-comp-fused",
     ("comp-fused", 2.0): "p2p4-comp-fused-bf16state",
+    ("comp-fused", 1.0): "p2p4-comp-fused-int8state",
     ("comp-separate", 4.0): "p2p4-comp-separate",
 }
 
@@ -327,7 +328,8 @@ def compensator_extra_bytes(elem_bytes: float, state_bytes: float = 4.0) -> floa
 
     Args:
       elem_bytes: e, bytes per input value.
-      state_bytes: s, bytes per value of each of m1 and m2 (4 for fp32, 2 for bf16).
+      state_bytes: s, bytes per value of each of m1 and m2 (4 for fp32, 2 for bf16, 1 for
+        int8 codes, whose scales add 4 / 128 that this count leaves out).
 
     Returns:
       6 s + e: reads m1, m2 at entry (2 s); re-reads x, m1, m2 (e + 2 s) and writes m1, m2 (2 s)
@@ -567,7 +569,7 @@ def measured_comp_extra(eff: Efficiency, row: str, size_bytes: int, dtype: str,
     Args:
       eff: the loaded Efficiency; row: "comp-fused" or "comp-separate"; size_bytes: S per rank;
       dtype: the projected dtype (the measurement must be in it); target_hbm_gbps: datasheet HBM
-      of the projected machine; state_bytes: 4 (fp32 state) or 2 (bf16 state).
+      of the projected machine; state_bytes: 4 (fp32 state), 2 (bf16) or 1 (int8).
 
     Returns:
       dict(measured_row, measured_size_bytes, measured_ranks, added_s, p2p4_added_s,
@@ -874,9 +876,10 @@ def add_arguments(p) -> None:
     p.add_argument("--p2p-eff", type=wrap(positive), default=None,
                    help="fraction of the link bandwidth Echo's peer stores reach (default: the "
                         "preset's)")
-    p.add_argument("--state-bytes", type=float, choices=(4.0, 2.0), default=4.0,
-                   help="compensator state bytes per value: 4 (fp32, default) or 2 (bf16); picks "
-                        "the measured compensated rows (MEASURED_COMP_ROWS)")
+    p.add_argument("--state-bytes", type=float, choices=(4.0, 2.0, 1.0), default=4.0,
+                   help="compensator state bytes per value: 4 (fp32, default), 2 (bf16) or 1 "
+                        "(int8 codes, plus a 4-byte scale a 128 values); picks the measured "
+                        "compensated rows (MEASURED_COMP_ROWS)")
     p.add_argument("--group-size", type=int, default=128, help="g (default: %(default)s)")
     p.add_argument("--policy", choices=policies.NAMES, default="asym",
                    help="quantizer policy, sets the per-group parameter bytes (default: asym)")

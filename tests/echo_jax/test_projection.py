@@ -245,6 +245,15 @@ def test_a_row_without_measured_added_time_is_not_projected(tmp_path, capsys):
     # A bf16 state picks its own measured row, here absent.
     r4 = pj.project_one(HAND_LINK, "comp-fused", GiB, 4, "bfloat16", eff, state_bytes=2.0)
     assert r4["overlapped_s"] is None and "p2p4-comp-fused-bf16state" in r4["not_projected"]
+    # An int8 state (1 byte a value) picks its own row too; measured, it is projected from it.
+    r5 = pj.project_one(HAND_LINK, "comp-fused", GiB, 4, "bfloat16", eff, state_bytes=1.0)
+    assert r5["overlapped_s"] is None and "p2p4-comp-fused-int8state" in r5["not_projected"]
+    rows_q8 = [_hand_row("p2p4", 256 * MiB, 1.6e-3, 1.5e-3),
+               _hand_row("p2p4-comp-fused-int8state", 256 * MiB, 4.0e-3, 4.3e-3)]
+    eff5 = pj.load_efficiency(None, str(_hand_json(tmp_path, rows_q8)))
+    r6 = pj.measured_comp_extra(eff5, "comp-fused", GiB, "bfloat16", 2000.0, state_bytes=1.0)
+    assert r6["measured_row"] == "p2p4-comp-fused-int8state"
+    assert r6["extra_measured_s"] == pytest.approx(4.3e-3 - 1.5e-3, rel=1e-9)
 
 
 def test_nothing_in_the_output_is_assumed_hidden(tmp_path, capsys, monkeypatch):
