@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from echo_jax import _compat, collective
-from echo_jax.compensator import CompensatorState, init_state, to_varying_state
+from echo_jax.compensator import (CompensatorState, QuantizedMoment, init_state,
+                                  to_varying_state)
 from echo_jax.config import EchoConfig
 
 SiteConfig = Optional[EchoConfig]
@@ -213,15 +214,6 @@ def backward_site(x, axis_name, config: SiteConfigs, bwd_state: CompensatorState
     if not isinstance(bwd_state, CompensatorState):
         raise ValueError("backward_site: bwd_state must be a CompensatorState shaped like x "
                          "(use echo_jax.init_state(x))")
-    configs = config if isinstance(config, (tuple, list)) else (config,)
-    if bwd_state.quantized or any(c is not None and c.state_dtype == "int8" for c in configs):
-        # The live state travels as bwd_state's cotangent; JAX gives an int8 array a float0
-        # cotangent, which holds no values.
-        raise ValueError(
-            "backward_site: EchoConfig.state_dtype='int8' cannot be the backward state: it "
-            "travels as a cotangent, and an int8 array's cotangent (float0) holds no values; "
-            "use state_dtype='bfloat16' or 'float32' for the backward sites (the int8 state "
-            "runs at forward sites and with echo_psum)")
     x_varies = _compat.varies_over(x, axis_name)
     # The live state is per rank, so its cotangent is varying: type the primal the same way.
     bwd_state = to_varying_state(bwd_state, axis_name)
@@ -242,6 +234,16 @@ def _backward_site_fwd(x, bwd_state, choice, axis, config, rescale, x_varies, ex
 def _backward_site_bwd(axis, config, rescale, x_varies, exact_in_f32, res, cts):
     (choice,) = res
     ct_x, live_state = cts
+    configs = config if isinstance(config, (tuple, list)) else (config,)
+    if (any(c is not None and c.state_dtype == "int8" for c in configs)
+            or isinstance(live_state.m1, QuantizedMoment)):
+        # The live state travels as bwd_state's cotangent; JAX gives an int8 array a float0
+        # cotangent, which holds no values. The forward (identity) takes any state.
+        raise ValueError(
+            "backward_site: EchoConfig.state_dtype='int8' cannot be the backward state: it "
+            "travels as a cotangent, and an int8 array's cotangent (float0) holds no values; "
+            "use state_dtype='bfloat16' or 'float32' for the backward sites (the int8 state "
+            "runs at forward sites, in a forward pass, and with echo_psum)")
     ct_in, new_state = site_all_reduce(ct_x, axis, config, choice, live_state, rescale,
                                       exact_in_f32)
     if x_varies:  # the cotangent of a varying input must be typed varying too

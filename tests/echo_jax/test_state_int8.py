@@ -275,18 +275,23 @@ def test_the_layers_and_the_gspmd_helpers_refuse_it_with_the_fix():
 
 def test_a_backward_site_refuses_it_with_the_fix_and_a_forward_site_takes_it():
     """The backward site carries its state as a cotangent, and JAX gives an int8 array a float0
-    cotangent: the int8 state is refused there (the config or the state), with the fix."""
+    cotangent: its backward refuses the int8 state (the config or the state), with the fix. A
+    forward pass (inference: the backward site is the identity) takes it."""
     from echo_jax import tp
     x = jax.random.normal(jax.random.key(5), (2, 256))
 
-    def backward(v, cfg, st):
-        return tp.backward_site(v, "tp", cfg, st)[0]
+    def loss(v, cfg, st):
+        return jnp.sum(tp.backward_site(v, "tp", cfg, st)[0] ** 2)
 
-    for cfg, st in ((INT8, lambda v: ej.init_state(v, INT8)),
-                    (INT8.replace(state_dtype="float32"), lambda v: ej.init_state(v, INT8))):
+    for cfg in (INT8, INT8.replace(state_dtype="float32")):
+        def run(v, cfg=cfg):
+            return jax.grad(loss)(v, cfg, ej.init_state(v, INT8))
         with pytest.raises(ValueError, match=r"backward_site: .*'int8'.*cotangent.*"
                                              r"use state_dtype='bfloat16' or 'float32'"):
-            jax.vmap(lambda v: backward(v, cfg, st(v)), axis_name="tp")(x)
+            jax.vmap(run, axis_name="tp")(x)
+        fwd = jax.vmap(lambda v, cfg=cfg: loss(v, cfg, ej.init_state(v, INT8)), axis_name="tp")
+        np.testing.assert_allclose(np.asarray(fwd(x)), np.asarray(jnp.sum(x ** 2, axis=1)),
+                                   rtol=1e-6)
 
     def forward(v):
         y, s = tp.forward_site(v, "tp", INT8, ej.init_state(v, INT8))
