@@ -554,9 +554,9 @@ def state_for(value, *, axis="tp", mesh=None, spec=None, config: EchoConfig | No
     if dt == jnp.int8:
         raise ValueError(
             f"{where}: EchoConfig.state_dtype='int8' runs with echo_psum and the echo_jax.tp "
-            "forward sites inside jax.shard_map, not yet with the jit / GSPMD helpers (its per-group "
-            "scales are not laid out for a sharded state); use state_dtype='float32' or "
-            "'bfloat16' here")
+            "forward sites inside jax.shard_map, not yet with the jit / GSPMD helpers (its "
+            "per-group scales are not laid out for a sharded state); use state_dtype='float32' "
+            "or 'bfloat16' here")
     gshape = (sizes[axis],) + shape
     gspec = _spec(_site_state_entries(entries, axis))
     if getattr(mesh, "are_all_axes_explicit", False):

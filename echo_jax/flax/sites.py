@@ -188,8 +188,8 @@ def zero_state(like, *, axis_name: str = "tp", config: SiteConfigs = None, mode:
     if dt == jnp.int8:
         raise ValueError(
             f"{where}: EchoConfig.state_dtype='int8' runs with echo_psum and the echo_jax.tp "
-            "forward sites, not yet with the Flax layers (its per-group scales have no place in their "
-            "state variables); give the layers state_dtype='float32' or 'bfloat16'")
+            "forward sites, not yet with the Flax layers (its per-group scales have no place in "
+            "their state variables); give the layers state_dtype='float32' or 'bfloat16'")
     resolved = resolve_mode(mode, axis_name, where=where)
     if resolved == "gspmd":
         return gspmd.state_for(like, axis=axis_name, dtype=dt)

@@ -523,4 +523,5 @@ __all__ = ["TRANSPORT", "CudaTransport", "update_state", "DTYPES", "NAME", "unav
            "fused_rotation", "MAX_ROTATED_GROUP", "FUSED_STATE_DTYPES", "available", "build_info",
            "register",
            "quantize", "dequantize", "virtual_allreduce",
-           "rank_allreduce", "mesh_groups", "MAX_RANKS", "TIMEOUT_ENV", "POLICY_CODES", "GENERIC_ENV"]
+           "rank_allreduce", "mesh_groups", "MAX_RANKS", "TIMEOUT_ENV", "POLICY_CODES",
+           "GENERIC_ENV"]
