@@ -180,7 +180,7 @@ def init_state(x, config: EchoConfig | None = None, *, dtype=None, axis_name=Non
         z = _compat.to_varying(jnp.zeros(jnp.shape(leaf), dt), tuple(varying) + axes)
         if dt != jnp.int8:
             return CompensatorState(z, z)
-        s = _compat.to_varying(jnp.zeros((num_state_groups(jnp.size(leaf)),), jnp.float32),
+        s = _compat.to_varying(jnp.zeros((num_state_groups(z.size),), jnp.float32),
                                tuple(varying) + axes)
         return CompensatorState(QuantizedMoment(z, s), QuantizedMoment(z, s))
 

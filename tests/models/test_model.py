@@ -242,6 +242,8 @@ def test_forward_states_change_along_layers_and_reset_every_pass(data):
     np.testing.assert_array_equal(norms, norms2)
 
 
+@pytest.mark.slow   # the f site's forward with an int8 state and its refused backward run in the
+#                    fast set through test_state_int8.py's backward-site test
 def test_an_int8_state_runs_the_forward_pass_and_refuses_the_backward(data):
     """Inference with state_dtype="int8" (the f sites are the identity forward) keeps the
     compensator's gain: the logits' RMS error against the exact model within 5 % of the fp32
