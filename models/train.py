@@ -60,6 +60,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from echo_jax_tools.projection import source_commit
 from models import data as D
 from models import model as M
 from models.checkpoints import (CHECKPOINT_FORMAT, RUN_FILE, TOKENIZER_FILE,
@@ -648,8 +649,12 @@ def _train(args) -> int:
     if args.eval_every > 0 and not eval_enabled:
         print("note: no held-out text long enough for --eval-every; evaluation off")
 
+    # Which code and device made the run (every results JSON records them).
+    made_by = {"commit": source_commit(), "device": jax.devices()[0].device_kind}
+
     def record(now_elapsed):
-        return {"label": label, "config": config_record, "history": history, "eval": evals,
+        return {**made_by, "label": label, "config": config_record, "history": history,
+                "eval": evals,
                 "final_step": history[-1]["step"] if history else start_step,
                 "tail100_mean_loss": _tail_mean(history), "elapsed_s": now_elapsed}
 
