@@ -50,7 +50,7 @@ struct FastStages {
   // (8 lanes a 128-group in fp32), but ptxas gave fp32 104-110 registers (64 with two) and the
   // 16-bit ones 650-750 bytes of spills under their 4-blocks bound (sm_90a; not timed).
   // The int8 state: one load a lane too, so that a lane's piece is its whole share of the group
-  // whose scale it helps to set (store_state_group).
+  // whose scale it helps to set (store_state_pair).
   static constexpr bool kStateQ8 = std::is_same_v<S, int8_t>;
   static constexpr int kLoadsPerLane = (sizeof(T) == 2 && COMP) || kStateQ8 ? 1 : 2;
   using L = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, kLoadsPerLane>()>;
@@ -154,65 +154,117 @@ struct FastStages {
   __device__ static void load_m2(const KernelArgs& a, int64_t e, float* v) {
     load_state(a, a.m2, a.s2, e, v);
   }
-  // kVec int8 codes as one word (kVec = 4 or 8 bytes, aligned: e is a multiple of kVec).
+  // kVec int8 codes as kVec / 4 words (one 4- or 8-byte access; e is a multiple of kVec).
+  static constexpr int kCodeWords = kVec / 4;
   using CodeWord = std::conditional_t<kVec == 8, uint2, uint32_t>;
-  // Conversions on the fp32 pipe instead of the conversion unit (a quarter of its rate), exact:
-  // 2^23 + 128 + q has q's bits in its mantissa, and 1.5 * 2^23 + p rounds p (|p| <= 127) to
-  // the nearest integer, ties to even, in its low mantissa bits.
-  __device__ __forceinline__ static float code_value(int8_t q) {
-    return sub_rn(__int_as_float(0x4B000080 + q), 8388736.0f);
+  // The conversions run on the fp32 pipe (the conversion unit has a quarter of its rate), a
+  // whole piece at a time, without a test per value: per value, in the full pieces (every piece
+  // but the last of a row), a code costs a byte permute, an add and a multiply, a new value a
+  // fused multiply-add and 3 / 4 of a byte permute (ptxas, sm_90a: the per-value bounds tests
+  // and NaN selects took the int8 instances' tail from 627 to 894 instructions against the bf16
+  // state's).
+  // Code to value: byte q ^ 0x80 = q + 128 under the exponent of 2^23 is the float
+  // 2^23 + 128 + q; minus 2^23 + 128 it is q exactly, then q * s rounded once, as state_value.
+  __device__ __forceinline__ static void codes_to_values(const uint32_t (&w)[kCodeWords], float s,
+                                                         float* v) {
+#pragma unroll
+    for (int c = 0; c < kCodeWords; ++c) {
+      const uint32_t u = w[c] ^ 0x80808080u;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const float biased = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540u + b));
+        v[4 * c + b] = mul_rn(sub_rn(biased, 8388736.0f), s);
+      }
+    }
   }
-  __device__ __forceinline__ static int8_t code_of(float p) {  // p = v / s, exact
-    if (p != p) return 0;  // inf * 0 or a NaN: 0, as state_code
-    return static_cast<int8_t>(static_cast<int>(__float_as_uint(add_rn(p, 12582912.0f)) -
-                                                0x4B400000u));
+  // Value to code under the inverse scale inv of a finite group: v * inv is exact and
+  // |v * inv| <= 127 (state_scale_of_bits), so fma(v, inv, 1.5 * 2^23) rounds it to the
+  // nearest integer, ties to even, in the low mantissa bits, as add_rn(mul_rn(v, inv), 1.5 *
+  // 2^23) does (a product below 2^-126 rounds to code 0 either way), and the low byte of those
+  // bits is the code's two's complement (1.5 * 2^23's low byte is 0). The caller zeroes the
+  // codes of a group without a finite scale (inv = 0), as state_code does.
+  __device__ __forceinline__ static uint32_t code_byte_word(const float* v, float inv) {
+    uint32_t b[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) b[t] = __float_as_uint(__fmaf_rn(v[t], inv, 12582912.0f));
+    return __byte_perm(__byte_perm(b[0], b[1], 0x0040u), __byte_perm(b[2], b[3], 0x0040u),
+                       0x5410u);
   }
   __device__ static void load_state_q8(const int8_t* m, const float* s, int64_t e, int64_t n,
                                        float* v) {
-    // Not __ldg: the scale is rewritten in this kernel (store_state_group), after this read. A
+    // Not __ldg: the scale is rewritten in this kernel (store_state_pair), after this read. A
     // group of padding alone (e >= n) has no scale.
     const float scale = e < n ? s[e / kStateGroup] : 0.0f;
-    int8_t q[kVec];
+    uint32_t w[kCodeWords];
     if (e + kVec <= n) {
-      *reinterpret_cast<CodeWord*>(q) = *reinterpret_cast<const CodeWord*>(m + e);
-    } else {
+      *reinterpret_cast<CodeWord*>(w) = *reinterpret_cast<const CodeWord*>(m + e);
+      codes_to_values(w, scale, v);
+    } else {  // the row's last piece: codes past n read as 0 and their values are 0
+      int8_t q[kVec];
 #pragma unroll
       for (int t = 0; t < kVec; ++t) q[t] = e + t < n ? m[e + t] : 0;
+      memcpy(w, q, kVec);
+      codes_to_values(w, scale, v);
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) v[t] = e + t < n ? v[t] : 0.0f;
     }
-#pragma unroll
-    for (int t = 0; t < kVec; ++t) v[t] = e + t < n ? mul_rn(code_value(q[t]), scale) : 0.0f;
   }
-  // The int8 state's store of this lane's kVec new values v at element e: the group's largest
-  // |v| over its kLanes lanes (an integer max of |v|'s bits; every lane of the group calls this
-  // together; values past n do not count), its scale (echo_common.h state_scale_of_bits), the
-  // codes, and the scale by the group's first lane, unless the group is padding alone. Each
-  // lane read the old scale before (load_update), and the shuffles order those reads before
-  // the one write.
-  __device__ static void store_state_group(const KernelArgs& a, void* m, float* s, int64_t e,
-                                           const float* v) {
+  // The largest |v| of this lane's values before n, as the bits of |v| (an integer max: a NaN's
+  // bits are above every other value's).
+  __device__ __forceinline__ static uint32_t abs_max_bits(const float* v, int64_t e, int64_t n) {
     uint32_t amax = 0;
+    if (e + kVec <= n) {
 #pragma unroll
-    for (int t = 0; t < kVec; ++t)
-      if (e + t < a.n) amax = max(amax, __float_as_uint(v[t]) & 0x7FFFFFFFu);
+      for (int t = 0; t < kVec; ++t) amax = max(amax, __float_as_uint(v[t]) & 0x7FFFFFFFu);
+    } else {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t)
+        if (e + t < n) amax = max(amax, __float_as_uint(v[t]) & 0x7FFFFFFFu);
+    }
+    return amax;
+  }
+  // This lane's kVec codes of a group under scale sc, stored at element e (none past n); the
+  // scale by the group's first lane, unless the group is padding alone.
+  __device__ __forceinline__ static void store_codes(int8_t* codes, float* s, int64_t e,
+                                                     int64_t n, const float* v, StateScale sc,
+                                                     bool first) {
+    uint32_t w[kCodeWords];
+#pragma unroll
+    for (int c = 0; c < kCodeWords; ++c)
+      w[c] = sc.inv != 0.0f ? code_byte_word(v + 4 * c, sc.inv) : 0u;
+    if (e + kVec <= n) {
+      *reinterpret_cast<CodeWord*>(codes + e) = *reinterpret_cast<const CodeWord*>(w);
+    } else {
+      int8_t q[kVec];
+      memcpy(q, w, kVec);
+#pragma unroll
+      for (int t = 0; t < kVec; ++t)
+        if (e + t < n) codes[e + t] = q[t];
+    }
+    if (first && e < n) s[e / kStateGroup] = sc.s;
+  }
+  // The int8 state's store of this lane's kVec new values of m1 (v1) and m2 (v2) at element e:
+  // each group's largest |v| over its kLanes lanes (values past n do not count; every lane of the
+  // group calls this together), its scale (echo_common.h state_scale_of_bits), the codes, and the
+  // scale by the group's first lane. The two averages' shuffles are interleaved (independent
+  // chains in flight together). Each lane read the old scales before (load_update), and the
+  // shuffles order those reads before the one write.
+  __device__ static void store_state_pair(const KernelArgs& a, int64_t e, const float* v1,
+                                          const float* v2) {
+    uint32_t amax1 = abs_max_bits(v1, e, a.n), amax2 = abs_max_bits(v2, e, a.n);
     const unsigned lane = threadIdx.x % 32;
     const unsigned mask =
         kLanes == 32 ? 0xFFFFFFFFu : ((1u << kLanes) - 1u) << (lane / kLanes * kLanes);
 #pragma unroll
-    for (int off = kLanes / 2; off > 0; off /= 2)
-      amax = max(amax, __shfl_xor_sync(mask, amax, off));
-    const StateScale sc = state_scale_of_bits(amax);
-    int8_t q[kVec];
-#pragma unroll
-    for (int t = 0; t < kVec; ++t) q[t] = code_of(mul_rn(v[t], sc.inv));
-    int8_t* codes = static_cast<int8_t*>(m);
-    if (e + kVec <= a.n) {
-      *reinterpret_cast<CodeWord*>(codes + e) = *reinterpret_cast<const CodeWord*>(q);
-    } else {
-#pragma unroll
-      for (int t = 0; t < kVec; ++t)
-        if (e + t < a.n) codes[e + t] = q[t];
+    for (int off = kLanes / 2; off > 0; off /= 2) {
+      const uint32_t o1 = __shfl_xor_sync(mask, amax1, off);
+      const uint32_t o2 = __shfl_xor_sync(mask, amax2, off);
+      amax1 = max(amax1, o1);
+      amax2 = max(amax2, o2);
     }
-    if (lane % kLanes == 0 && e < a.n) s[e / kStateGroup] = sc.s;
+    const bool first = lane % kLanes == 0;
+    store_codes(static_cast<int8_t*>(a.m1), a.s1, e, a.n, v1, state_scale_of_bits(amax1), first);
+    store_codes(static_cast<int8_t*>(a.m2), a.s2, e, a.n, v2, state_scale_of_bits(amax2), first);
   }
   // kVec fp32 values stored at element e (a bf16 state rounded to nearest even); none past n.
   __device__ static void store_state(const KernelArgs& a, void* m, int64_t e, const float* v) {
@@ -262,7 +314,8 @@ struct FastStages {
   }
 
   // The contribution, after the compensator's apply step (Eq. 10) when COMP; the padding beyond
-  // n stays 0 (not compensated, as in the reference).
+  // n stays 0 (not compensated, as in the reference): x, m1 and m2 load as 0 there, and the
+  // apply step of zeros is +0 (x + (+-0 + +-0) with x = +0), so no test a value is needed.
   template <bool kStaged = false>
   __device__ static void load_contrib(const KernelArgs& a, int64_t e, float* v,
                                       const uint4* staged = nullptr) {
@@ -272,8 +325,7 @@ struct FastStages {
       load_m1(a, e, m1);
       load_m2(a, e, m2);
 #pragma unroll
-      for (int t = 0; t < kVec; ++t)
-        if (e + t < a.n) v[t] = comp_apply(v[t], m1[t], m2[t], a.k);
+      for (int t = 0; t < kVec; ++t) v[t] = comp_apply(v[t], m1[t], m2[t], a.k);
     }
     const float f = scale_of(a);  // the rescaling, after the apply step (Sec. 5.4)
 #pragma unroll
@@ -325,8 +377,7 @@ struct FastStages {
         comp_update(xp, y[t], in.m1[t], in.m2[t], a.k, &n1[t], &n2[t]);
       }
       if constexpr (kStateQ8) {
-        store_state_group(a, a.m1, a.s1, e, n1);
-        store_state_group(a, a.m2, a.s2, e, n2);
+        store_state_pair(a, e, n1, n2);
       } else {
         store_state(a, a.m1, e, n1);
         store_state(a, a.m2, e, n2);
@@ -704,7 +755,7 @@ struct FastStages {
     const int j = lane % kLanes;
     for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
       const int q = q0 + lane / kLanes;
-      if (q >= count) continue;  // no shuffles here: lanes may leave
+      if (q >= count) continue;  // a group's lanes leave together (the int8 state's shuffles)
       const int64_t local = local0 + q;
       const int64_t e0 = (seg * a.seg_groups + first + q) * G;
       const DequantParams d = fast::decoder_of<BITS>(fast::load_wire(prm, local, a.policy), a.policy);

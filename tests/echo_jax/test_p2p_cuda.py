@@ -202,17 +202,26 @@ def test_virtual_ranks_int8_state_match_reference(cuda, xdtype, rotation):
     scale from their largest |v| across the group's lanes, and its codes. y and every code and
     scale bit for bit with the xla transport's (`echo_jax.compensator`, itself checked against
     NumPy), two chained calls, 4 and 8 bits, P = 2 and 4, a short last group (n = 4096 + 64),
-    and a contribution with a NaN (its groups' sums and state groups NaN on both)."""
+    a contribution with a NaN (its groups' sums and state groups NaN on both), and one whose
+    128-value groups span the dtype's range (each group times its own power of two, 2^-100 to
+    2^120, fp16 2^-8 to 2^12: state groups below the 2^-100 threshold and near the top of the
+    range; the kernels' code conversions rest on exact products there too)."""
     rng = np.random.default_rng(3 + len(xdtype))
-    for nranks, bits, n, nan in ((4, 4, 65536, False), (2, 8, 4096 + 64, False),
-                                 (4, 4, 4096 + 64, True)):
+    for nranks, bits, n, case in ((4, 4, 65536, ""), (2, 8, 4096 + 64, ""),
+                                  (4, 4, 4096 + 64, "nan"), (2, 4, 8192, "range")):
+        nan = case == "nan"
         cfg = ej.EchoConfig(bits=bits, rotation=rotation, state_dtype="int8")
         x0, x1, x2 = (np.asarray(rng.standard_normal((nranks, n)), np.float32)
                       for _ in range(3))
         if nan:
             x1[1, 4100] = np.nan  # rank 1's last, short group
+        if case == "range":  # exponents -100 .. 120 (fp16: -8 .. 12), one a 128-value group
+            lo, hi = (-8, 12) if xdtype == "float16" else (-100, 120)
+            exps = np.linspace(lo, hi, n // 128).round().astype(np.int32)
+            scale = np.repeat(np.ldexp(np.float32(1), exps), 128).astype(np.float32)
+            x0, x1, x2 = x0 * scale, x1 * scale, x2 * scale
         x0, x1, x2 = (jnp.asarray(v).astype(xdtype) for v in (x0, x1, x2))
-        what = f"P={nranks} {xdtype} bits={bits} n={n} rotation={rotation} nan={nan}"
+        what = f"P={nranks} {xdtype} bits={bits} n={n} rotation={rotation} case={case!r}"
         zero = jax.vmap(lambda v: ej.init_state(v, cfg))(x0)
         st = reference_allreduce(x0, cfg, zero)[1]  # a live state: codes and scales not zero
         got, (r1, r2) = two_calls(cuda, cfg, x1, x2, st)
