@@ -178,6 +178,9 @@ def test_bad_flags_give_clear_errors(run, capsys):
     assert "expected 'smollm2', a .gguf file" in capsys.readouterr().err
 
 
+@pytest.mark.slow   # the fast set has the corpus over a Shakespeare folder (test_data.py:
+#                    test_corpus_split_folio_never_used), the training step (the `run`
+#                    fixture) and the real held-out split (test_eval_defaults_to_the_heldout_split)
 @pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason="Shakespeare texts not in the cache")
 def test_train_on_the_real_corpus(run, capsys):
     # The real-data path: Shakespeare (held-out works excluded), tokenized, a few steps. The

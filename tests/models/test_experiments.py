@@ -469,7 +469,8 @@ def _reference_instrumented_forward(params, tokens, model_cfg, comm, hook=None, 
     return hn, logits, resid, per_site
 
 
-@pytest.mark.grid("4bit-comp")
+@pytest.mark.slow   # measure_sites' per-site values against an independent NumPy float64 replay
+#                    are in the fast set: test_instrumented_sites_match_a_numpy_replay
 @pytest.mark.parametrize("key", ["exact", "4bit-none", "4bit-comp"])
 def test_site_tap_equals_the_old_instrumented_forward(key):
     """`measure_sites` (the model's own forward pass, read through its site tap) gives the

@@ -264,6 +264,10 @@ def test_an_int8_state_runs_the_forward_pass_and_refuses_the_backward(data):
         M.loss_and_grad_simulated(st, x, y, TINY, comm8)
 
 
+@pytest.mark.slow   # the backward state through every scanned layer under grad runs in the fast
+#                    set: test_state_update.py's annotated update under remat and grad (the
+#                    model's loss_local with a compensated bwd_state) and models.train
+#                    (test_cli.py); threaded and used: test_tp.py's backward-state test
 def test_backward_states_reach_every_layer(data):
     x, y = data
     full = M.init_params(jax.random.key(5), DEEP)
