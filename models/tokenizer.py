@@ -46,6 +46,7 @@ loads read only that JSON.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -303,6 +304,23 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+@functools.lru_cache(maxsize=2)
+def _cached_gguf_reader(path: str, mtime_ns: int, size: int):
+    import gguf  # imported here: only needed when a GGUF is read
+
+    return gguf.GGUFReader(path)
+
+
+def open_gguf(path: str | os.PathLike):
+    """A `gguf.GGUFReader` of the file, shared within the process: opening one parses every
+    metadata field (SmolLM2-135M's 49k tokens and merges: about 2.5 s), and loading a model
+    and its tokenizer reads the same file twice. Keyed by the file's real path, modification
+    time and size, so a rewritten file is read again; the reader maps the file read-only."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return _cached_gguf_reader(real, st.st_mtime_ns, st.st_size)
+
+
 def build_tokenizer_from_gguf(gguf_path: str | os.PathLike) -> EchoTokenizer:
     """Build the tokenizer from a GGUF file's metadata (slow: about 2 s to open it).
 
@@ -316,9 +334,7 @@ def build_tokenizer_from_gguf(gguf_path: str | os.PathLike) -> EchoTokenizer:
         ValueError: the GGUF holds another kind of tokenizer or an unknown
             pre-tokeniser, or its metadata is inconsistent.
     """
-    import gguf  # imported here: only needed when the cache is cold
-
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = open_gguf(gguf_path)
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"{gguf_path}: tokenizer.ggml.model is {kind!r}, only 'gpt2' (byte-level BPE) is supported")

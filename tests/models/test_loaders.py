@@ -226,6 +226,26 @@ def test_tiny_gguf_round_trip(cfg, arch, tmp_path):
 
 
 @needs_gguf
+def test_a_gguf_is_parsed_once_until_it_changes(tmp_path):
+    """models.tokenizer.open_gguf: loading a model and then its tokenizer reuses one reader of
+    the file; a rewritten file (another model in the same place) is read again."""
+    from models.tokenizer import open_gguf
+
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(path, TINY, jax.tree.map(np.asarray, M.init_params(jax.random.key(1), TINY)),
+                    "qwen3")
+    first = open_gguf(path)
+    assert open_gguf(tmp_path / "tiny.gguf") is first
+    L.load_gguf(path)
+    assert open_gguf(path) is first
+    write_tiny_gguf(path, LLAMA, jax.tree.map(np.asarray,
+                                              M.init_params(jax.random.key(2), LLAMA)), "llama")
+    second = open_gguf(path)
+    assert second is not first
+    assert L.load_gguf(path)[0].qk_norm == LLAMA.qk_norm != TINY.qk_norm
+
+
+@needs_gguf
 def test_gguf_errors(tmp_path):
     with pytest.raises(ValueError, match="no GGUF file"):
         L.load_gguf(str(tmp_path / "nope.gguf"))
