@@ -359,17 +359,33 @@ def test_a_model_training_step_through_the_cli_flag(dtype):
 def test_the_annotated_update_runs_under_remat_and_grad(monkeypatch):
     """The stream-annotated update (what runs on GPUs) inside a model's rematerialised layers
     under grad: compiled and run here (the CPU compiler ignores the annotation), the same bits
-    as the unannotated update (ECHO_JAX_UPDATE_STREAM=0)."""
+    as the unannotated update (ECHO_JAX_UPDATE_STREAM=0). One layer (its two forward and two
+    backward sites): the scanned, rematerialised layer body is the same for any depth, and a
+    second layer only lengthens the compile of both programs."""
     import dataclasses
 
     from models import config as C
     from models import model as M
 
     monkeypatch.setattr(transports.base, "on_gpu", lambda: True)  # annotate as on a GPU
-    cfg = dataclasses.replace(C.get_config("tiny"), dtype="float32")
+    cfg = dataclasses.replace(C.get_config("tiny"), dtype="float32", n_layers=1)
     comm = C.CommConfig(tp=2, echo=ej.EchoConfig(bits=4, transport="xla",
                                                  state_update="separate"))
-    st = M.shard_params(M.init_params(jax.random.key(0), cfg), 2, cfg)
+    # Per-rank parameters [2, ...] drawn in NumPy (Flax's init would compile a program per
+    # initializer); replicated leaves (the same shape at P = 1) equal on both ranks.
+    rng = np.random.default_rng(0)
+    is_shape = lambda v: isinstance(v, tuple)  # noqa: E731
+    full = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(
+        M.param_shapes(cfg, 1), is_leaf=is_shape)[0]}
+
+    def draw(path, shape):
+        name = jax.tree_util.keystr(path)
+        ranks = 1 if full[name] == shape else 2
+        v = (np.ones((ranks,) + shape) if "scale" in name
+             else 0.05 * rng.standard_normal((ranks,) + shape))
+        return jnp.asarray(np.broadcast_to(v, (2,) + shape), jnp.dtype(cfg.param_dtype))
+
+    st = jax.tree_util.tree_map_with_path(draw, M.param_shapes(cfg, 2), is_leaf=is_shape)
     toks = jax.random.randint(jax.random.key(2), (2, 9), 0, cfg.vocab_size, jnp.int32)
     x, y = toks[:, :-1], toks[:, 1:]
 

@@ -411,13 +411,16 @@ def test_bad_input_errors(full, data):
 
 
 def test_early_8bit_lowers_the_error(data):
+    # P = 2 and the weights of test_simulation_matches_shard_map[P2-echo4]: its compiled 4-bit
+    # forward pass serves here too. The early 8-bit layer cuts the logits' error by about a
+    # quarter at P = 2 as at P = 4 (ratio 0.70 to 0.76 over weight seeds at P = 2).
     x, _ = data
     full = M.init_params(jax.random.key(3), TINY)
-    st = M.shard_params(full, 4, TINY)
-    ref = M.apply_simulated(st, x, TINY, C.CommConfig(tp=4))
+    st = M.shard_params(full, 2, TINY)
+    ref = M.apply_simulated(st, x, TINY, C.CommConfig(tp=2))
     errs = {}
-    for name, comm in (("4", C.CommConfig(tp=4, echo=ECHO4)),
-                       ("8/4", C.CommConfig(tp=4, echo=ECHO4, early_8bit=True))):
+    for name, comm in (("4", C.CommConfig(tp=2, echo=ECHO4)),
+                       ("8/4", C.CommConfig(tp=2, echo=ECHO4, early_8bit=True))):
         errs[name] = rel_err(M.apply_simulated(st, x, TINY, comm), ref)
     assert errs["8/4"] < errs["4"], errs                     # the first layer at 8 bits helps
 
