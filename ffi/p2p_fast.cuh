@@ -162,9 +162,8 @@ struct FastStages {
   // The conversions run on the fp32 pipe (the conversion unit has a quarter of its rate), a
   // whole piece at a time, without a test per value: per value, in the full pieces (every piece
   // but the last of a row), a code costs a byte permute, an add and a multiply, a new value a
-  // fused multiply-add and 3 / 4 of a byte permute (ptxas, sm_90a: the per-value bounds tests
-  // and NaN selects took the int8 instances' tail from 627 to 894 instructions against the bf16
-  // state's).
+  // fused multiply-add and 3 / 4 of a byte permute; a bounds test (a 64-bit compare) and a NaN
+  // select a value would cost more than the conversion itself.
   // Code to value: byte q ^ 0x80 = q + 128 under the exponent of 2^23 is the float
   // 2^23 + 128 + q; minus 2^23 + 128 it is q exactly, then q * s rounded once, as state_value.
   __device__ __forceinline__ static void codes_to_values(const uint32_t (&w)[kCodeWords], float s,
