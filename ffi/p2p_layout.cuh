@@ -54,10 +54,9 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #endif
 // The int8 state's instances (compensated, g = 128). Unrotated with 16-bit x (_Q8_16): ptxas
 // gives them 75 registers (3 blocks an SM) against the 64 of the bf16 state's; bound to 4
-// blocks (64 registers, no spills) they ran faster on one H100 (bf16, virtual P = 4, 256 MB a
-// rank: 4.471 -> 3.921 ms), but the GPU tests have not run on that build, so the default stays
-// 1 (no bound). The others (_Q8): fp32 x ran slower bound to 4 (2.707 -> 2.878 ms); the rotated
-// ones (79-80 registers) were not timed bound.
+// blocks (64 registers, no spills) they ran faster (docs/gpu.md, build switches), but the GPU
+// tests have not run on that build, so the default stays 1 (no bound). The others (_Q8): fp32 x
+// ran slower bound to 4; the rotated ones (79-80 registers) were not timed bound.
 #ifndef ECHO_P2P_MIN_BLOCKS_Q8_16
 #define ECHO_P2P_MIN_BLOCKS_Q8_16 1
 #endif
