@@ -373,11 +373,6 @@ def smollm2_gguf_path() -> Optional[str]:
 
 
 def _gguf_reader(path: str):
-    try:
-        import gguf  # noqa: F401  (whether it is installed: the message below)
-    except ImportError:
-        raise ImportError("reading GGUF files needs the `gguf` package (pip install gguf)") \
-            from None
     if not os.path.isfile(path):
         raise ValueError(f"no GGUF file at {path}")
     from models.tokenizer import open_gguf  # one reader a file per process

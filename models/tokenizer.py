@@ -306,8 +306,11 @@ def _field(reader, key: str, default=None):
 
 @functools.lru_cache(maxsize=2)
 def _cached_gguf_reader(path: str, mtime_ns: int, size: int):
-    import gguf  # imported here: only needed when a GGUF is read
-
+    try:
+        import gguf  # imported here: only needed when a GGUF is read
+    except ImportError:
+        raise ImportError("reading GGUF files needs the `gguf` package (pip install gguf)") \
+            from None
     return gguf.GGUFReader(path)
 
 

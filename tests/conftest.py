@@ -25,8 +25,8 @@ def _gpu_plugin_installed() -> bool:
 def _compile_cpu_programs_quickly():
     """XLA's CPU backend at LLVM optimization level 0 for the tests' programs: most are small,
     run once or twice and compiled anew for each shape, so compiling is most of a test's time
-    (the fast set took 322 s at level 0 and 389 s at the default on a 2-core machine). The level
-    does not change results: XLA's CPU code has no fast-math at any level
+    (docs/testing.md gives the fast set's time at both levels). The level does not change
+    results: XLA's CPU code has no fast-math at any level
     (`xla_cpu_enable_fast_math` is off), so LLVM may not reassociate or contract float
     arithmetic, and the bit-for-bit tests pass at both. Not where XLA_FLAGS sets a level, and
     not where a CUDA plugin is installed (the flag also sets the GPU backend's level)."""
