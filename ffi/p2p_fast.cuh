@@ -210,6 +210,41 @@ struct FastStages {
       for (int t = 0; t < kVec; ++t) v[t] = e + t < n ? v[t] : 0.0f;
     }
   }
+  // The entry and update loads of a piece with the int8 state (and, with the build switch
+  // ECHO_P2P_JOINT_STATE_LOADS, a bf16 state and 16-bit x): x, m1, m2 (and the codes' scales),
+  // all issued in one basic block before any of them is converted. Why: loaded by load_raw,
+  // load_m1 and load_m2, each behind its own test for the row's last piece, the conversions of
+  // one array sat between the loads (a conversion waits for its load), so a piece took three
+  // memory round trips one after another instead of one (SASS, sm_90a).
+  static constexpr bool kJointLoads =
+      kStateQ8 || (kStateBf16 && kVec == 8 && ECHO_P2P_JOINT_STATE_LOADS);
+  __device__ static void load_x_and_state(const KernelArgs& a, int64_t e, float* x, float* m1,
+                                          float* m2) {
+    if (e + kVec <= a.n) {
+      const uint4 xw = *reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + e);
+      if constexpr (kStateQ8) {
+        uint32_t w1[kCodeWords], w2[kCodeWords];
+        *reinterpret_cast<CodeWord*>(w1) =
+            *reinterpret_cast<const CodeWord*>(static_cast<const int8_t*>(a.m1) + e);
+        *reinterpret_cast<CodeWord*>(w2) =
+            *reinterpret_cast<const CodeWord*>(static_cast<const int8_t*>(a.m2) + e);
+        const float s1 = a.s1[e / kStateGroup], s2 = a.s2[e / kStateGroup];  // not __ldg: above
+        fast::unpack_values<T, kVec>(xw, x);
+        codes_to_values(w1, s1, m1);
+        codes_to_values(w2, s2, m2);
+      } else {
+        const uint4 w1 = *reinterpret_cast<const uint4*>(static_cast<const S*>(a.m1) + e);
+        const uint4 w2 = *reinterpret_cast<const uint4*>(static_cast<const S*>(a.m2) + e);
+        fast::unpack_values<T, kVec>(xw, x);
+        fast::unpack_values<S, kVec>(w1, m1);
+        fast::unpack_values<S, kVec>(w2, m2);
+      }
+    } else {  // the row's last piece
+      load_raw(a, e, x);
+      load_m1(a, e, m1);
+      load_m2(a, e, m2);
+    }
+  }
   // The largest |v| of this lane's values before n, as the bits of |v| (an integer max: a NaN's
   // bits are above every other value's).
   __device__ __forceinline__ static uint32_t abs_max_bits(const float* v, int64_t e, int64_t n) {
@@ -320,11 +355,17 @@ struct FastStages {
   template <bool kStaged = false>
   __device__ static void load_contrib(const KernelArgs& a, int64_t e, float* v,
                                       const uint4* staged = nullptr) {
-    load_raw<kStaged>(a, e, v, staged);
+    float m1[kVec], m2[kVec];
+    if constexpr (COMP && kJointLoads) {
+      load_x_and_state(a, e, v, m1, m2);
+    } else {
+      load_raw<kStaged>(a, e, v, staged);
+      if constexpr (COMP) {
+        load_m1(a, e, m1);
+        load_m2(a, e, m2);
+      }
+    }
     if constexpr (COMP) {
-      float m1[kVec], m2[kVec];
-      load_m1(a, e, m1);
-      load_m2(a, e, m2);
 #pragma unroll
       for (int t = 0; t < kVec; ++t) v[t] = comp_apply(v[t], m1[t], m2[t], a.k);
     }
@@ -342,7 +383,9 @@ struct FastStages {
     float x[kVec], m1[kVec], m2[kVec];
   };
   __device__ static void load_update(const KernelArgs& a, int64_t e, UpdateIn& in) {
-    if constexpr (COMP && UPDATE) {
+    if constexpr (COMP && UPDATE && kJointLoads) {
+      load_x_and_state(a, e, in.x, in.m1, in.m2);
+    } else if constexpr (COMP && UPDATE) {
       load_raw(a, e, in.x);
       load_m1(a, e, in.m1);
       load_m2(a, e, in.m2);
