@@ -391,6 +391,40 @@ def update_beside(x, y, num_ranks: int, state: CompensatorState, k: Coefficients
     return CompensatorState(*update(x, y, state))
 
 
+#: The dtype that carries an int8 state's codes where the state travels as a cotangent (the
+#: backward sites of `echo_jax.tp`): JAX gives an int8 array a float0 cotangent, which holds no
+#: values. float8_e4m3fnuz has the same 8 bits (`lax.bitcast_convert_type`, free in XLA), one
+#: zero and one NaN (bits 0x80, the code -128, which the state never stores: codes are clipped
+#: to +-127), so a code plus a zero cotangent keeps its bits.
+CODES_CARRIER = jnp.dtype(jnp.float8_e4m3fnuz)
+
+
+def as_carrier(state):
+    """A state (or a pytree of them, None leaves kept) with an int8 state's codes bitcast to
+    CODES_CARRIER, the form a backward site threads; other states are returned as they are.
+
+    Args:
+      state: a `CompensatorState`, a pytree of them, or None.
+
+    Returns:
+      The same structure; each `QuantizedMoment`'s codes in CODES_CARRIER (bits unchanged).
+    """
+    return _map_codes(state, CODES_CARRIER)
+
+
+def from_carrier(state):
+    """`as_carrier` undone: an int8 state's codes back to int8 (bits unchanged)."""
+    return _map_codes(state, jnp.int8)
+
+
+def _map_codes(state, dtype):
+    def one(m):
+        if isinstance(m, QuantizedMoment) and jnp.result_type(m.codes) != dtype:
+            return QuantizedMoment(lax.bitcast_convert_type(m.codes, dtype), m.scales)
+        return m
+    return jax.tree.map(one, state, is_leaf=lambda m: isinstance(m, QuantizedMoment))
+
+
 def to_varying_state(state: CompensatorState | None, axis) -> CompensatorState | None:
     """The state typed as varying over `axis` (m1 and m2 each, `_compat.to_varying`), so that it
     can meet a varying contribution in a type-checked shard_map; None stays None.
@@ -439,7 +473,8 @@ def check_state(state, x, where: str = "echo_psum", config: EchoConfig | None = 
                 f"{jnp.result_type(m.scales)}; use init_state(x, config)")
 
 
-__all__ = ["CompensatorState", "QuantizedMoment", "flat_state", "shaped_state", "STATE_GROUP", "num_state_groups", "quantize_state",
+__all__ = ["CompensatorState", "QuantizedMoment", "CODES_CARRIER", "as_carrier", "from_carrier",
+           "flat_state", "shaped_state", "STATE_GROUP", "num_state_groups", "quantize_state",
            "dequantize_state", "moments", "stored_like", "init_state", "leaf_kind", "state_dtype", "Coefficients",
            "apply_correction", "update_state", "update_beside", "update_stream",
            "UPDATE_STREAM_ENV", "to_varying_state"]

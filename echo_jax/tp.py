@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from echo_jax import _compat, collective
-from echo_jax.compensator import (CompensatorState, QuantizedMoment, init_state,
+from echo_jax.compensator import (CompensatorState, as_carrier, from_carrier, init_state,
                                   to_varying_state)
 from echo_jax.config import EchoConfig
 
@@ -202,12 +202,17 @@ def backward_site(x, axis_name, config: SiteConfigs, bwd_state: CompensatorState
       config: EchoConfig, None (exact psum), or a tuple of them selected by `choice`.
       bwd_state: a `CompensatorState` shaped like x (zeros from `init_state(x)`); thread the
         returned one to the next site. Its cotangent carries the backward compensator state.
+        An int8 state (`EchoConfig.state_dtype="int8"`) comes back with its codes in
+        `compensator.CODES_CARRIER` (the same bits in a float dtype, since an int8 array's
+        cotangent holds no values), and its cotangent, the final backward state, likewise where
+        the state was passed in that form (`compensator.as_carrier`; `from_carrier` reads it).
       choice: index into a tuple `config` (may be traced).
       rescale: power-of-two rescaling of the cotangent (Sec. 5.4); on by default.
       exact_in_f32: exact (None) configs sum a 16-bit cotangent in fp32 and round once.
 
     Returns:
-      (x, bwd_state): both unchanged in value; x typed as varying over the axis.
+      (x, bwd_state): both unchanged in value (an int8 state's codes in the carrier dtype); x
+      typed as varying over the axis.
     """
     check_site_configs(config, "backward_site")
     collective.axis_size(collective.single_axis(axis_name, "backward_site"), "backward_site")
@@ -216,7 +221,9 @@ def backward_site(x, axis_name, config: SiteConfigs, bwd_state: CompensatorState
                          "(use echo_jax.init_state(x))")
     x_varies = _compat.varies_over(x, axis_name)
     # The live state is per rank, so its cotangent is varying: type the primal the same way.
-    bwd_state = to_varying_state(bwd_state, axis_name)
+    # An int8 state travels with its codes in a float carrier of the same bits (an int8 array's
+    # cotangent is float0, which holds nothing).
+    bwd_state = as_carrier(to_varying_state(bwd_state, axis_name))
     return _backward_site(x, bwd_state, choice, axis_name, config, rescale, x_varies,
                           bool(exact_in_f32))
 
@@ -234,23 +241,14 @@ def _backward_site_fwd(x, bwd_state, choice, axis, config, rescale, x_varies, ex
 def _backward_site_bwd(axis, config, rescale, x_varies, exact_in_f32, res, cts):
     (choice,) = res
     ct_x, live_state = cts
-    configs = config if isinstance(config, (tuple, list)) else (config,)
-    if (any(c is not None and c.state_dtype == "int8" for c in configs)
-            or isinstance(live_state.m1, QuantizedMoment)):
-        # The live state travels as bwd_state's cotangent; JAX gives an int8 array a float0
-        # cotangent, which holds no values. The forward (identity) takes any state.
-        raise ValueError(
-            "backward_site: EchoConfig.state_dtype='int8' cannot be the backward state: it "
-            "travels as a cotangent, and an int8 array's cotangent (float0) holds no values; "
-            "use state_dtype='bfloat16' or 'float32' for the backward sites (the int8 state "
-            "runs at forward sites, in a forward pass, and with echo_psum)")
+    live_state = from_carrier(live_state)  # an int8 state's codes as int8 again
     ct_in, new_state = site_all_reduce(ct_x, axis, config, choice, live_state, rescale,
                                       exact_in_f32)
     if x_varies:  # the cotangent of a varying input must be typed varying too
         ct_in = _compat.to_varying(ct_in, axis)
     if new_state is None:
         new_state = live_state
-    return ct_in, new_state, choice_cotangent(choice)
+    return ct_in, as_carrier(new_state), choice_cotangent(choice)
 
 
 _backward_site.defvjp(_backward_site_fwd, _backward_site_bwd)

@@ -120,8 +120,8 @@ def add_comm_args(parser: argparse.ArgumentParser, default_bits: int = 16) -> No
     g.add_argument("--state-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
                    help="storage dtype of the compensator state m1, m2 (computed in fp32 "
                         "either way; bfloat16 rounds the stored state to nearest even; int8: "
-                        "codes and a power-of-two scale a 128 values, forward sites only, so "
-                        "not for training). Default float32.")
+                        "codes and a power-of-two scale a 128 values; needs --group-size 128). "
+                        "Default float32.")
     g.add_argument("--state-update", choices=("in_call", "separate"), default="in_call",
                    help="where the compensator's update runs: in_call (inside the all-reduce) "
                         "or separate (its own op after it, on a second GPU stream beside the "

@@ -97,7 +97,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from echo_jax import tp as tp_ops
-from echo_jax.compensator import CompensatorState, init_state
+from echo_jax.compensator import CompensatorState, as_carrier, init_state, moments
 from models.config import CommConfig, ModelConfig, check_comm, check_tp
 
 F32 = jnp.float32
@@ -174,8 +174,9 @@ def attention(q, k, v, q_pos, k_pos):
 
 
 def state_norm(state: CompensatorState):
-    """sqrt(||m1||^2 + ||m2||^2) of a compensator state (a scalar)."""
-    return jnp.sqrt(jnp.sum(jnp.square(state.m1)) + jnp.sum(jnp.square(state.m2)))
+    """sqrt(||m1||^2 + ||m2||^2) of a compensator state (a scalar; an int8 state's values)."""
+    m1, m2 = moments(state)
+    return jnp.sqrt(jnp.sum(jnp.square(m1)) + jnp.sum(jnp.square(m2)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -695,8 +696,9 @@ def forward_local(params, tokens, model_cfg: ModelConfig, comm: CommConfig, *,
       cache: a KVCache of this rank: the tokens go to positions cache.length ... + T - 1 and
         attend to the cached ones; None: positions 0 ... T - 1, no cache.
       bwd_state: the initial backward compensator state (zeros CompensatorState of [B, T, D]
-        in comm.state_dtype); None creates it. Pass it explicitly to read the final backward state as its
-        gradient.
+        in comm.state_dtype; an int8 state's codes in `compensator.CODES_CARRIER`, by
+        `compensator.as_carrier`); None creates it. Pass it explicitly to read the final
+        backward state as its gradient.
       return_state_norms: also return the per-layer forward-state norms.
       remat: rematerialise each layer in the backward pass (saves activation memory).
       site_choices: (forward, backward) int [L, 2] index tables into comm.site_policy's configs
@@ -708,9 +710,9 @@ def forward_local(params, tokens, model_cfg: ModelConfig, comm: CommConfig, *,
     b, t = tokens.shape
     start = jnp.int32(0) if cache is None else cache.length
     positions = start + jnp.arange(t, dtype=jnp.int32)                     # [T]
-    if bwd_state is None:
-        bwd_state = init_state(jax.ShapeDtypeStruct((b, t, model_cfg.dim), F32),
-                               dtype=comm.state_dtype)
+    if bwd_state is None:  # (an int8 state's codes in the carrier dtype, as the f sites pass it)
+        bwd_state = as_carrier(init_state(jax.ShapeDtypeStruct((b, t, model_cfg.dim), F32),
+                                          dtype=comm.state_dtype))
     layer_cache = None if cache is None else (cache.k, cache.v)
     module = Transformer(model_cfg, comm, return_state_norms, remat)
     logits, new_cache, norms = module.apply({"params": params}, tokens, positions, bwd_state,
@@ -755,8 +757,8 @@ def forward_with_taps(params, tokens, model_cfg: ModelConfig, comm: CommConfig,
     b, t = tokens.shape
     n_layers = model_cfg.n_layers
     positions = jnp.arange(t, dtype=jnp.int32)
-    bwd_state = init_state(jax.ShapeDtypeStruct((b, t, model_cfg.dim), F32),
-                           dtype=comm.state_dtype)
+    bwd_state = as_carrier(init_state(jax.ShapeDtypeStruct((b, t, model_cfg.dim), F32),
+                                      dtype=comm.state_dtype))
     if tap_xs is not None:  # [2 L, ...] -> [L, 2, ...]: the scan hands each layer its two rows
         tap_xs = jax.tree.map(lambda a: a.reshape((n_layers, 2) + a.shape[1:]), tap_xs)
     module = Transformer(model_cfg, comm, site_tap=tap)

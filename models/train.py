@@ -440,10 +440,6 @@ def _check_args(ap, args) -> None:
         ap.error(f"--stop-at must be in [1, --steps], got {args.stop_at}")
     if args.train_tokenizer is not None and args.train_tokenizer < 257:
         ap.error("--train-tokenizer needs at least 257 ids (256 bytes + <|endoftext|>)")
-    if args.state_dtype == "int8":
-        ap.error("--state-dtype int8 is for forward sites only (a backward site carries its "
-                 "state as a cotangent, which an int8 array cannot hold); train with "
-                 "--state-dtype bfloat16 or float32")
 
 
 def default_label(args, comm) -> str:

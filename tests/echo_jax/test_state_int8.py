@@ -273,25 +273,50 @@ def test_the_layers_and_the_gspmd_helpers_refuse_it_with_the_fix():
         sites.zero_state(jnp.zeros((4, 8)), config=INT8, mode="local")
 
 
-def test_a_backward_site_refuses_it_with_the_fix_and_a_forward_site_takes_it():
-    """The backward site carries its state as a cotangent, and JAX gives an int8 array a float0
-    cotangent: its backward refuses the int8 state (the config or the state), with the fix. A
-    forward pass (inference: the backward site is the identity) takes it."""
+def test_a_backward_site_carries_the_int8_state_as_a_cotangent():
+    """Two backward sites with the int8 state: the gradient and the final backward state (the
+    cotangent of the state passed in the carrier form) equal, bit for bit, the two compensated
+    all-reduces of the cotangent written out with echo_psum (rescaled, as the backward site
+    runs them), the state threaded between them in backward order."""
+    from echo_jax import compensator as C
     from echo_jax import tp
     x = jax.random.normal(jax.random.key(5), (2, 256))
 
-    def loss(v, cfg, st):
-        return jnp.sum(tp.backward_site(v, "tp", cfg, st)[0] ** 2)
+    def loss(v, st):
+        h, st = tp.backward_site(v, "tp", INT8, st)
+        h2, st = tp.backward_site(jnp.sin(h), "tp", INT8, st)
+        return jnp.sum(h2 ** 2)
 
-    for cfg in (INT8, INT8.replace(state_dtype="float32")):
-        def run(v, cfg=cfg):
-            return jax.grad(loss)(v, cfg, ej.init_state(v, INT8))
-        with pytest.raises(ValueError, match=r"backward_site: .*'int8'.*cotangent.*"
-                                             r"use state_dtype='bfloat16' or 'float32'"):
-            jax.vmap(run, axis_name="tp")(x)
-        fwd = jax.vmap(lambda v, cfg=cfg: loss(v, cfg, ej.init_state(v, INT8)), axis_name="tp")
-        np.testing.assert_allclose(np.asarray(fwd(x)), np.asarray(jnp.sum(x ** 2, axis=1)),
-                                   rtol=1e-6)
+    def run(v):
+        return jax.grad(loss, argnums=(0, 1))(v, C.as_carrier(ej.init_state(v, INT8)))
+
+    def by_hand(v):
+        ct, st = ej.echo_psum(2 * jnp.sin(v), "tp", config=INT8, rescale=True,
+                              state=ej.init_state(v, INT8))            # the second site first
+        return ej.echo_psum(ct * jnp.cos(v), "tp", config=INT8, rescale=True, state=st)
+
+    gx, gs = jax.jit(jax.vmap(run, axis_name="tp"))(x)
+    want_x, want_s = jax.jit(jax.vmap(by_hand, axis_name="tp"))(x)
+    assert gs.m1.codes.dtype == C.CODES_CARRIER
+    got_s = C.from_carrier(gs)
+    assert got_s.m1.codes.dtype == jnp.int8 and int(jnp.abs(got_s.m1.codes).max()) > 0
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(want_x))
+    for got, want in zip(jax.tree.leaves(got_s), jax.tree.leaves(want_s)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Given as int8 (from init_state), the state still flows between the sites; only its
+    # final value, the cotangent of an int8 input, has no values (float0).
+    g_int8 = jax.jit(jax.vmap(lambda v: jax.grad(loss)(v, ej.init_state(v, INT8)),
+                              axis_name="tp"))(x)
+    np.testing.assert_array_equal(np.asarray(g_int8), np.asarray(want_x))
+    # A float32 config with the int8 state: the call names the mismatch.
+    def mismatched(v):
+        return jax.grad(lambda u: jnp.sum(tp.backward_site(
+            u, "tp", INT8.replace(state_dtype="float32"), ej.init_state(u, INT8))[0] ** 2))(v)
+    with pytest.raises(ValueError, match=r"state.m1 must be a float32 array"):
+        jax.vmap(mismatched, axis_name="tp")(x)
+    fwd = jax.vmap(lambda v: loss(v, ej.init_state(v, INT8)), axis_name="tp")
+    np.testing.assert_allclose(np.asarray(fwd(x)), np.asarray(jnp.sum(jnp.sin(x) ** 2, axis=1)),
+                               rtol=1e-6)
 
     def forward(v):
         y, s = tp.forward_site(v, "tp", INT8, ej.init_state(v, INT8))

@@ -242,12 +242,13 @@ def test_forward_states_change_along_layers_and_reset_every_pass(data):
     np.testing.assert_array_equal(norms, norms2)
 
 
-@pytest.mark.slow   # the f site's forward with an int8 state and its refused backward run in the
-#                    fast set through test_state_int8.py's backward-site test
-def test_an_int8_state_runs_the_forward_pass_and_refuses_the_backward(data):
-    """Inference with state_dtype="int8" (the f sites are the identity forward) keeps the
-    compensator's gain: the logits' RMS error against the exact model within 5 % of the fp32
-    state's and well below no compensation's; a gradient refuses it at the f site, with the fix."""
+@pytest.mark.slow   # the int8 state at the sites, forward and backward, runs in the fast set
+#                    through test_state_int8.py (bit for bit against echo_psum)
+def test_an_int8_state_keeps_the_compensators_gain_forward_and_backward(data):
+    """state_dtype="int8" at every site: the logits' RMS error against the exact model within
+    5 % of the fp32 state's and well below no compensation's (inference), and the gradients'
+    relative error likewise (training: the f sites carry the int8 state as a cotangent).
+    Measured (seed 6, P = 4): gradient errors 0.1238 (int8), 0.1234 (fp32), 0.1615 (none)."""
     x, y = data
     st = M.shard_params(M.init_params(jax.random.key(6), TINY), 4, TINY)
     exact = np.asarray(M.apply_simulated(st, x, TINY, C.CommConfig(tp=4, echo=None)), np.float64)
@@ -259,9 +260,20 @@ def test_an_int8_state_runs_the_forward_pass_and_refuses_the_backward(data):
     none, fp32 = rms_error(ECHO4.replace(eta=0.0)), rms_error(ECHO4)
     int8 = rms_error(ECHO4.replace(state_dtype="int8"))
     assert int8 < 1.05 * fp32 and int8 < 0.7 * none, (int8, fp32, none)
-    comm8 = C.CommConfig(tp=4, echo=ECHO4.replace(state_dtype="int8"))
-    with pytest.raises(ValueError, match=r"backward_site: .*'int8'.*use state_dtype="):
-        M.loss_and_grad_simulated(st, x, y, TINY, comm8)
+
+    g_exact = jax.tree.leaves(M.loss_and_grad_simulated(
+        st, x, y, TINY, C.CommConfig(tp=4, echo=None))[1])
+
+    def grad_error(echo):
+        g = jax.tree.leaves(M.loss_and_grad_simulated(
+            st, x, y, TINY, C.CommConfig(tp=4, echo=echo))[1])
+        num = sum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
+                  for a, b in zip(g, g_exact))
+        return (num / sum(float(np.sum(np.asarray(b, np.float64) ** 2)) for b in g_exact)) ** 0.5
+
+    none, fp32 = grad_error(ECHO4.replace(eta=0.0)), grad_error(ECHO4)
+    int8 = grad_error(ECHO4.replace(state_dtype="int8"))
+    assert int8 < 1.05 * fp32 and int8 < 0.85 * none, (int8, fp32, none)
 
 
 @pytest.mark.slow   # the backward state through every scanned layer under grad runs in the fast
