@@ -210,14 +210,14 @@ struct FastStages {
       for (int t = 0; t < kVec; ++t) v[t] = e + t < n ? v[t] : 0.0f;
     }
   }
-  // The entry and update loads of a piece with the int8 state (and, with the build switch
-  // ECHO_P2P_JOINT_STATE_LOADS, a bf16 state and 16-bit x): x, m1, m2 (and the codes' scales),
-  // all issued in one basic block before any of them is converted. Why: loaded by load_raw,
-  // load_m1 and load_m2, each behind its own test for the row's last piece, the conversions of
-  // one array sat between the loads (a conversion waits for its load), so a piece took three
-  // memory round trips one after another instead of one (SASS, sm_90a).
-  static constexpr bool kJointLoads =
-      kStateQ8 || (kStateBf16 && kVec == 8 && ECHO_P2P_JOINT_STATE_LOADS);
+  // The entry and update loads of a piece with the int8 state, and with a bf16 state and
+  // 16-bit x: x, m1, m2 (and the codes' scales), all issued in one basic block before any of
+  // them is converted. Why: loaded by load_raw, load_m1 and load_m2, each behind its own test
+  // for the row's last piece, the conversions of one array sat between the loads (a conversion
+  // waits for its load), so a piece took three memory round trips one after another instead of
+  // one (SASS, sm_90a; docs/gpu.md has the times). The fp32 state's instances keep the three
+  // loaders: they run at their byte floor.
+  static constexpr bool kJointLoads = kStateQ8 || (kStateBf16 && kVec == 8);
   __device__ static void load_x_and_state(const KernelArgs& a, int64_t e, float* x, float* m1,
                                           float* m2) {
     if (e + kVec <= a.n) {
@@ -802,13 +802,16 @@ struct FastStages {
       if (q >= count) continue;  // a group's lanes leave together (the int8 state's shuffles)
       const int64_t local = local0 + q;
       const int64_t e0 = (seg * a.seg_groups + first + q) * G;
-      const DequantParams d = fast::decoder_of<BITS>(fast::load_wire(prm, local, a.policy), a.policy);
+      const uint32_t wire = fast::load_wire(prm, local, a.policy);
       uint2 words[kLoads];
 #pragma unroll
       for (int k = 0; k < kLoads; ++k)  // every load of the group before the first store
         words[k] = fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k));
       UpdateIn in[kLoads];
       prefetch_update(a, e0, j, in);
+      // The parameters decoded after the update's loads are issued: decoded first, they made
+      // the compensated tail wait for them before it issued those loads (two round trips).
+      const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         uint32_t codes[kVec];

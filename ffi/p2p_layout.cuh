@@ -79,12 +79,6 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_PREFETCH
 #define ECHO_P2P_PREFETCH 0
 #endif
-// 1: the compensated instances with a bf16 state and 16-bit x load x, m1 and m2 of a piece
-// together, as the int8 state's always do (FastStages::load_x_and_state). 0: one array after
-// the other (the default).
-#ifndef ECHO_P2P_JOINT_STATE_LOADS
-#define ECHO_P2P_JOINT_STATE_LOADS 0
-#endif
 
 // Error codes written to the host-mapped error word (1 + stage * 256 + peer).
 enum Stage : int { kStagePush = 0, kStageGather = 1 };
