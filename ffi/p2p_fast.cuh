@@ -60,11 +60,10 @@ struct FastStages {
   static constexpr int kCodeBytes = G * BITS / 8;
   // Blocks of kThreads an SM that ptxas must fit (__launch_bounds__; kernel_of), uncompensated
   // instances (ECHO_P2P_MIN_BLOCKS_32 / _16, rotated: _ROT_32 / _ROT_16), the applied call's
-  // unrotated 16-bit ones (_APPLIED_16) and the int8 state's (unrotated 16-bit _Q8_16, the
-  // others _Q8); 1: no bound.
+  // unrotated 16-bit ones (_APPLIED_16) and the int8 state's fp32-x and rotated ones (_Q8);
+  // 1: no bound.
   static constexpr int kMinBlocks =
-      COMP ? (kStateQ8 ? (!ROT && sizeof(T) == 2 ? ECHO_P2P_MIN_BLOCKS_Q8_16
-                                                  : ECHO_P2P_MIN_BLOCKS_Q8)
+      COMP ? (kStateQ8 ? (!ROT && sizeof(T) == 2 ? 1 : ECHO_P2P_MIN_BLOCKS_Q8)
               : !UPDATE && !ROT && sizeof(T) == 2 ? ECHO_P2P_MIN_BLOCKS_APPLIED_16 : 1)
       : ROT ? (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_ROT_32 : ECHO_P2P_MIN_BLOCKS_ROT_16)
             : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);

@@ -47,19 +47,16 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #define ECHO_P2P_MIN_BLOCKS_ROT_16 4
 #endif
 // The applied call's unrotated 16-bit instances (EchoConfig.state_update = "separate"): ptxas
-// gives them 70-73 registers (3 blocks an SM) against the 64 of the compensated ones that also
-// update; no bound (1) until a bound is shown to pay. A build may try 4 (64 registers).
+// gives them 70-73 registers with an fp32 state (3 blocks an SM; 55 with a bf16 state) against
+// the 64 of the compensated ones that also update; no bound (1) until a bound is shown to pay.
+// A build may try 4 (64 registers).
 #ifndef ECHO_P2P_MIN_BLOCKS_APPLIED_16
 #define ECHO_P2P_MIN_BLOCKS_APPLIED_16 1
 #endif
-// The int8 state's instances (compensated, g = 128). Unrotated with 16-bit x (_Q8_16): ptxas
-// gives them 75 registers (3 blocks an SM) against the 64 of the bf16 state's; bound to 4
-// blocks (64 registers, no spills) they ran faster (docs/gpu.md, build switches), but the GPU
-// tests have not run on that build, so the default stays 1 (no bound). The others (_Q8): fp32 x
-// ran slower bound to 4; the rotated ones (79-80 registers) were not timed bound.
-#ifndef ECHO_P2P_MIN_BLOCKS_Q8_16
-#define ECHO_P2P_MIN_BLOCKS_Q8_16 1
-#endif
+// The int8 state's fp32-x and rotated instances (compensated, g = 128): fp32 x ran slower
+// bound to 4; the rotated ones (79-80 registers) were not timed bound. The unrotated 16-bit
+// ones take no bound: ptxas gives them 64 registers (4 blocks an SM) by itself, and a bound of
+// 4 adds spills.
 #ifndef ECHO_P2P_MIN_BLOCKS_Q8
 #define ECHO_P2P_MIN_BLOCKS_Q8 1
 #endif
