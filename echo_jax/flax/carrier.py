@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from echo_jax.compensator import CompensatorState
+from echo_jax.compensator import CompensatorState, as_carrier
 from echo_jax.flax.sites import zero_state
 
 #: The Linen variable collection of the compensator state (pass `mutable=[COLLECTION]`).
@@ -100,7 +100,11 @@ class CarrierMethods:
         made = dict(axis_name=self.axis_name, config=self.config, mode=self.mode,
                     where="EchoCarrier.reset")
         self._store("fwd", zero_state(like, **made), "reset")
-        self._store("bwd", zero_state(like if bwd_like is None else bwd_like, **made), "reset")
+        # The backward state in the form the column-parallel sites return it (an int8 state's
+        # codes in the float carrier of `echo_jax.tp.backward_site`), so that it keeps its type
+        # from site to site (a scan carry).
+        self._store("bwd", as_carrier(zero_state(like if bwd_like is None else bwd_like,
+                                                 **made)), "reset")
 
     def get(self, kind: str) -> CompensatorState:
         """The current state of one direction.

@@ -23,7 +23,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 from echo_jax import collective, gspmd, tp
-from echo_jax.compensator import CompensatorState, init_state
+from echo_jax.compensator import CompensatorState, QuantizedMoment, init_state
 from echo_jax.config import EchoConfig
 
 #: The layers' `mode` values.
@@ -185,12 +185,13 @@ def zero_state(like, *, axis_name: str = "tp", config: SiteConfigs = None, mode:
       `echo_jax.gspmd.state_for`).
     """
     dt = state_dtype(config)
-    if dt == jnp.int8:
-        raise ValueError(
-            f"{where}: EchoConfig.state_dtype='int8' runs with echo_psum and the echo_jax.tp "
-            "forward sites, not yet with the Flax layers (its per-group scales have no place in "
-            "their state variables); give the layers state_dtype='float32' or 'bfloat16'")
     resolved = resolve_mode(mode, axis_name, where=where)
+    if dt == jnp.int8 and resolved == "gspmd":
+        raise ValueError(
+            f"{where}: EchoConfig.state_dtype='int8' runs in the layers' \"shard_map\" and "
+            "\"local\" modes, not yet in \"gspmd\" mode (its per-group scales are not laid "
+            "out for a state sharded by the jit / GSPMD helpers); run the model inside "
+            "jax.shard_map, or give the layers state_dtype='float32' or 'bfloat16'")
     if resolved == "gspmd":
         return gspmd.state_for(like, axis=axis_name, dtype=dt)
     if resolved == "shard_map":
@@ -214,7 +215,8 @@ def check_state(state, value, mode: str, axis_name: str, where: str, *arrays):
         raise ValueError(f"{where}: the compensator state must be a CompensatorState, got "
                          f"{type(state).__name__}")
     want = tuple(jnp.shape(value))
-    have = tuple(jnp.shape(state.m1))
+    m1 = state.m1.codes if isinstance(state.m1, QuantizedMoment) else state.m1
+    have = tuple(jnp.shape(m1))
     if mode == "gspmd":
         p = axis_size(mode, axis_name, *arrays)
         if have == want and p > 1 and jax.sharding.get_abstract_mesh().empty:

@@ -273,27 +273,29 @@ def test_linen_scan_equals_unrolled(mode):
         assert not bits_equal(y_4, y_u)                # the choice picked 8 bits for layer 0
 
 
-def test_linen_state_flows_as_echo_jax_tp():
+@pytest.mark.parametrize("cfg", [CFG4, CFG4.replace(state_dtype="int8")], ids=["fp32", "int8"])
+def test_linen_state_flows_as_echo_jax_tp(cfg):
     """Per rank: the layers' output, forward state and gradients are the bits of the same sites
     threaded by hand with echo_jax.tp (forward state through the sites, backward state through
     the cotangent); the state is nonzero after a pass and the next pass starts from zeros again;
-    the gradients depend on the backward state (eta = 0 differs)."""
+    the gradients depend on the backward state (eta = 0 differs). With the int8 state too (the
+    backward state's codes in the float carrier from the carrier's reset on)."""
     layers, m = 3, mesh()
     x = inputs()
-    v = LinenStack(CFG4, layers=layers).init(jax.random.key(0), x)
+    v = LinenStack(cfg, layers=layers).init(jax.random.key(0), x)
     variables = {"params": v["params"]}
     specs = nn.get_partition_spec(variables)
 
     def by_hand(v, x):
         p = jax.tree.map(lambda b: b.value, v["params"],  # no constraint on a manual axis
                          is_leaf=lambda b: isinstance(b, nn.Partitioned))
-        fs = bs = ej.init_state(x, axis_name="tp")
+        fs = bs = ej.init_state(x, cfg, axis_name="tp")
         h = x
         for i in range(layers):
             q = p[f"layer{i}"]
-            hin, bs = tp.backward_site(h, "tp", CFG4, bs)
+            hin, bs = tp.backward_site(h, "tp", cfg, bs)
             u = nn.gelu(hin @ q["up"]["kernel"] + q["up"]["bias"])
-            y, fs = tp.forward_site(u @ q["down"]["kernel"], "tp", CFG4, fs)
+            y, fs = tp.forward_site(u @ q["down"]["kernel"], "tp", cfg, fs)
             h = h + (y + q["down"]["bias"])
         return h, jax.tree.map(lambda a: a[None], fs)
 
@@ -313,11 +315,12 @@ def test_linen_state_flows_as_echo_jax_tp():
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(variables, x)
 
-    (_, (y, fs)), g = grads(layers_(LinenStack(CFG4, layers=layers, remat=False)))
+    (_, (y, fs)), g = grads(layers_(LinenStack(cfg, layers=layers, remat=False)))
     (_, (y_h, fs_h)), g_h = grads(by_hand)
     assert bits_equal(y, y_h) and bits_equal(fs, fs_h) and bits_equal(g, g_h)
-    assert float(jnp.max(jnp.abs(fs.m1))) > 0 and float(jnp.max(jnp.abs(fs.m2))) > 0
-    (_, (_, _)), g_0 = grads(layers_(LinenStack(CFG4.replace(eta=0.0), layers=layers,
+    m1, m2 = (fs.m1.codes, fs.m2.codes) if cfg.state_dtype == "int8" else (fs.m1, fs.m2)
+    assert float(jnp.max(jnp.abs(m1))) > 0 and float(jnp.max(jnp.abs(m2))) > 0
+    (_, (_, _)), g_0 = grads(layers_(LinenStack(cfg.replace(eta=0.0), layers=layers,
                                                 remat=False)))
     assert not bits_equal(g[1], g_0[1])
 

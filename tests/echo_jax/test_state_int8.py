@@ -263,14 +263,18 @@ def test_a_scan_over_sites_keeps_the_int8_state():
     assert bool(jnp.isfinite(h).all())
 
 
-def test_the_layers_and_the_gspmd_helpers_refuse_it_with_the_fix():
+def test_the_gspmd_helpers_and_the_layers_gspmd_mode_refuse_it_with_the_fix():
     from echo_jax import gspmd
     from echo_jax.flax import sites
     with pytest.raises(ValueError, match=r"state_for: .*'int8'.*use state_dtype='float32'"):
         gspmd.state_for(jax.ShapeDtypeStruct((4, 8), jnp.float32), axis="tp",
                         mesh=jax.make_mesh((1,), ("tp",)), config=INT8)
-    with pytest.raises(ValueError, match=r"reset: .*'int8'.*not yet with the Flax layers"):
-        sites.zero_state(jnp.zeros((4, 8)), config=INT8, mode="local")
+    with pytest.raises(ValueError, match=r"reset: .*'int8'.*not yet in \"gspmd\" mode.*"
+                                         r"run the model inside jax.shard_map"):
+        with jax.set_mesh(jax.make_mesh((1,), ("tp",))):
+            sites.zero_state(jnp.zeros((4, 8)), config=INT8, mode="gspmd")
+    st = sites.zero_state(jnp.zeros((4, 128)), config=INT8)  # "local": no axis, no mesh
+    assert st.m1.codes.dtype == jnp.int8 and st.m1.scales.shape == (4,)
 
 
 def test_a_backward_site_carries_the_int8_state_as_a_cotangent():
