@@ -802,15 +802,21 @@ struct FastStages {
       const int64_t local = local0 + q;
       const int64_t e0 = (seg * a.seg_groups + first + q) * G;
       const uint32_t wire = fast::load_wire(prm, local, a.policy);
+      // Where the group's parameters are decoded: in the compensated instances after the
+      // update's loads are issued (decoded first, the tail waits for them before it issues
+      // those loads: two round trips a piece); first in the int8 state's, which ran slower
+      // decoding late (one H100: 3.61 against 3.44 ms, docs/gpu.md), and in the uncompensated
+      // ones, which have no update loads.
+      constexpr bool kDecodeLate = COMP && !kStateQ8;
+      const DequantParams d_early =
+          kDecodeLate ? DequantParams{0.0f, 0.0f} : fast::decoder_of<BITS>(wire, a.policy);
       uint2 words[kLoads];
 #pragma unroll
       for (int k = 0; k < kLoads; ++k)  // every load of the group before the first store
         words[k] = fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k));
       UpdateIn in[kLoads];
       prefetch_update(a, e0, j, in);
-      // The parameters decoded after the update's loads are issued: decoded first, they made
-      // the compensated tail wait for them before it issued those loads (two round trips).
-      const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
+      const DequantParams d = kDecodeLate ? fast::decoder_of<BITS>(wire, a.policy) : d_early;
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         uint32_t codes[kVec];
