@@ -511,11 +511,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return plot_main([*args.compare, "-o", args.plot])
     _check_args(ap, args)
     ensure_host_devices(args.tp)
+    args.command = recorded_command(argv)
     try:
         return _train(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+
+
+#: Flags whose value is a folder of this machine: a results JSON records DIR in their place.
+_LOCAL_DIR_FLAGS = ("--cache-dir", "--checkpoint-dir", "--shakespeare-dir", "--tokens")
+
+
+def recorded_command(argv) -> str:
+    """The command line of a run as its results JSON records it: `python -m models.train`
+    and the arguments, each local folder (`_LOCAL_DIR_FLAGS`) written as DIR."""
+    out, hide = ["python -m models.train"], False
+    for a in argv:
+        flag = a.split("=", 1)[0]
+        if hide:
+            out.append("DIR")
+        elif "=" in a and flag in _LOCAL_DIR_FLAGS:
+            out.append(flag + "=DIR")
+        else:
+            out.append(a)
+        hide = a in _LOCAL_DIR_FLAGS
+    return " ".join(out)
 
 
 def _train(args) -> int:
@@ -637,7 +658,9 @@ def _train(args) -> int:
         "model": dataclasses.asdict(model_cfg), "num_params": model_cfg.num_params(),
         "comm": comm_to_dict(comm), "mode": mode, "optim": dataclasses.asdict(oc),
         "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
-        "tokenizer": tokenizer.name, "data_key": data_key, "args": vars(args),
+        "tokenizer": tokenizer.name, "data_key": data_key,
+        "args": {k: ("DIR" if v is not None and "--" + k.replace("_", "-") in _LOCAL_DIR_FLAGS
+                     else v) for k, v in vars(args).items() if k != "command"},
         "device": str(jax.devices()[0].device_kind),
     }
     stop = args.stop_at or args.steps
@@ -646,7 +669,8 @@ def _train(args) -> int:
         print("note: no held-out text long enough for --eval-every; evaluation off")
 
     # Which code and device made the run (every results JSON records them).
-    made_by = {"commit": source_commit(), "device": jax.devices()[0].device_kind}
+    made_by = {"commit": source_commit(), "device": jax.devices()[0].device_kind,
+               "command": getattr(args, "command", None)}
 
     def record(now_elapsed):
         return {**made_by, "label": label, "config": config_record, "history": history,

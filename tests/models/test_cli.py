@@ -124,6 +124,12 @@ def test_train_loss_decreases_and_outputs_are_written(run, capsys):
     assert [h["step"] for h in rec["history"]] == list(range(1, STEPS + 1))
     assert losses[:5].mean() > losses[-5:].mean() + 1.0, losses   # ln 384 = 5.95 -> ~3
     assert math.isclose(rec["tail100_mean_loss"], losses.mean(), rel_tol=1e-9)
+    # What made the run, with no folder of this machine in it.
+    assert rec["command"].startswith("python -m models.train --preset tiny")
+    assert "--cache-dir DIR" in rec["command"] and "--checkpoint-dir DIR" in rec["command"]
+    recorded = json.dumps({k: rec[k] for k in ("command", "config")})
+    assert str(run / "cache") not in recorded and str(run / "ckA") not in recorded
+    assert rec["commit"] and rec["device"]
     h = rec["history"]
     assert h[0]["lr"] == pytest.approx(3e-3 / 5, rel=1e-5)          # warmup from lr / warmup
     assert h[4]["lr"] == pytest.approx(3e-3, rel=1e-5)              # the peak
