@@ -696,9 +696,9 @@ def forward_local(params, tokens, model_cfg: ModelConfig, comm: CommConfig, *,
       cache: a KVCache of this rank: the tokens go to positions cache.length ... + T - 1 and
         attend to the cached ones; None: positions 0 ... T - 1, no cache.
       bwd_state: the initial backward compensator state (zeros CompensatorState of [B, T, D]
-        in comm.state_dtype; an int8 state's codes in `compensator.CODES_CARRIER`, by
-        `compensator.as_carrier`); None creates it. Pass it explicitly to read the final
-        backward state as its gradient.
+        in comm.state_dtype); None creates it. Pass it explicitly to read the final backward
+        state as its gradient (an int8 state: in the form `compensator.as_carrier` gives it,
+        whose codes have a float dtype; the codes of an int8 array get no gradient).
       return_state_norms: also return the per-layer forward-state norms.
       remat: rematerialise each layer in the backward pass (saves activation memory).
       site_choices: (forward, backward) int [L, 2] index tables into comm.site_policy's configs
@@ -710,9 +710,10 @@ def forward_local(params, tokens, model_cfg: ModelConfig, comm: CommConfig, *,
     b, t = tokens.shape
     start = jnp.int32(0) if cache is None else cache.length
     positions = start + jnp.arange(t, dtype=jnp.int32)                     # [T]
-    if bwd_state is None:  # (an int8 state's codes in the carrier dtype, as the f sites pass it)
-        bwd_state = as_carrier(init_state(jax.ShapeDtypeStruct((b, t, model_cfg.dim), F32),
-                                          dtype=comm.state_dtype))
+    if bwd_state is None:
+        bwd_state = init_state(jax.ShapeDtypeStruct((b, t, model_cfg.dim), F32),
+                               dtype=comm.state_dtype)
+    bwd_state = as_carrier(bwd_state)  # an int8 state's codes as the f sites pass them on
     layer_cache = None if cache is None else (cache.k, cache.v)
     module = Transformer(model_cfg, comm, return_state_norms, remat)
     logits, new_cache, norms = module.apply({"params": params}, tokens, positions, bwd_state,
