@@ -805,8 +805,8 @@ struct FastStages {
       // Where the group's parameters are decoded: in the compensated instances after the
       // update's loads are issued (decoded first, the tail waits for them before it issues
       // those loads: two round trips a piece); first in the int8 state's, which ran slower
-      // decoding late (one H100: 3.61 against 3.44 ms, docs/gpu.md), and in the uncompensated
-      // ones, which have no update loads.
+      // decoding late (docs/gpu.md has the times), and in the uncompensated ones, which have no
+      // update loads.
       constexpr bool kDecodeLate = COMP && !kStateQ8;
       const DequantParams d_early =
           kDecodeLate ? DequantParams{0.0f, 0.0f} : fast::decoder_of<BITS>(wire, a.policy);

@@ -308,6 +308,8 @@ def test_pretrain_table_from_fake_logs(tmp_path):
             "16": fake_run("16-bit", 16, None, 1e-3, 3.00, seed=0),
             "4n": fake_run("4-bit none", 4, 0.0, 1e-3, 3.20, seed=2),
             "4lr": fake_run("4-bit comp 1.17x LR", 4, 0.75, 1.17e-3, 3.01, seed=3)}
+    for name, commit in (("4c", "aaa1111"), ("16", "aaa1111"), ("4n", "bbb2222")):
+        runs[name].update(commit=commit, device="cpu")     # 4lr: a log without them
     paths = []
     for name, run in runs.items():
         p = tmp_path / f"{name}.json"
@@ -316,6 +318,7 @@ def test_pretrain_table_from_fake_logs(tmp_path):
     out_dir = tmp_path / "res"
     assert X.main(["pretrain-table", *paths, "--out-dir", str(out_dir)]) == 0
     r = read(out_dir / "accuracy_pretrain.json")
+    assert r["commit"] == "aaa1111, bbb2222" and r["device"] == "cpu"  # the runs', once each
     assert_png(out_dir / "accuracy_pretrain.png")
     rows = {row["label"]: row for row in r["rows"]}
     assert rows["16-bit"]["baseline"] and rows["16-bit"]["gap_vs_baseline_pct"] == 0.0
