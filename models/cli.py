@@ -39,6 +39,31 @@ SIMULATE_HELP = ("simulate the P ranks with jax.vmap on one device. Default: on 
                  "fewer than P devices, else shard_map over the first P.")
 
 
+#: Flags whose value is a folder of this machine: a results JSON records DIR in their place.
+LOCAL_DIR_FLAGS = ("--cache-dir", "--checkpoint-dir", "--shakespeare-dir", "--tokens")
+
+
+def recorded_command(program: str, argv) -> str:
+    """A run's command line as its results JSON records it: `python -m <program>` and the
+    arguments, the value of each local-folder flag (`LOCAL_DIR_FLAGS`) written as DIR.
+
+    Args:
+      program: the module run, e.g. "models.train".
+      argv: the arguments as given (`sys.argv[1:]`).
+    """
+    out, hide = [f"python -m {program}"], False
+    for a in argv:
+        flag = a.split("=", 1)[0]
+        if hide:
+            out.append("DIR")
+        elif "=" in a and flag in LOCAL_DIR_FLAGS:
+            out.append(flag + "=DIR")
+        else:
+            out.append(a)
+        hide = a in LOCAL_DIR_FLAGS
+    return " ".join(out)
+
+
 def ensure_host_devices(n: int) -> None:
     """Ask XLA for `n` CPU devices (the ranks P) unless XLA_FLAGS already sets a count.
 
@@ -218,6 +243,6 @@ def load_token_dir(path: str):
             json.loads((p / "meta.json").read_text()))
 
 
-__all__ = ["DTYPES", "POLICIES", "TRANSPORTS", "add_comm_args", "add_model_args",
+__all__ = ["DTYPES", "LOCAL_DIR_FLAGS", "POLICIES", "TRANSPORTS", "add_comm_args", "add_model_args",
            "add_simulate_arg", "comm_from_args", "comm_to_dict", "ensure_host_devices",
-           "load_token_dir", "make_mesh", "place", "write_json"]
+           "load_token_dir", "make_mesh", "place", "recorded_command", "write_json"]

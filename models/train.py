@@ -67,8 +67,9 @@ from models.checkpoints import (CHECKPOINT_FORMAT, RUN_FILE, TOKENIZER_FILE,
                                 checkpoint_tokenizer, is_train_checkpoint, latest_step,
                                 load_checkpoint, load_tokenizer_spec, manager,
                                 read_checkpoint_meta, save_checkpoint)
-from models.cli import (DTYPES, add_comm_args, comm_from_args, comm_to_dict, ensure_host_devices,
-                        load_token_dir, make_mesh, place, write_json)
+from models.cli import (DTYPES, LOCAL_DIR_FLAGS, add_comm_args, comm_from_args, comm_to_dict,
+                        ensure_host_devices, load_token_dir, make_mesh, place, recorded_command,
+                        write_json)
 from models.config import ModelConfig, check_comm, get_config
 from models.eval import score_windows
 from models.tokenizer import train_tokenizer
@@ -511,32 +512,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return plot_main([*args.compare, "-o", args.plot])
     _check_args(ap, args)
     ensure_host_devices(args.tp)
-    args.command = recorded_command(argv)
+    args.command = recorded_command("models.train", argv)
     try:
         return _train(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-
-
-#: Flags whose value is a folder of this machine: a results JSON records DIR in their place.
-_LOCAL_DIR_FLAGS = ("--cache-dir", "--checkpoint-dir", "--shakespeare-dir", "--tokens")
-
-
-def recorded_command(argv) -> str:
-    """The command line of a run as its results JSON records it: `python -m models.train`
-    and the arguments, each local folder (`_LOCAL_DIR_FLAGS`) written as DIR."""
-    out, hide = ["python -m models.train"], False
-    for a in argv:
-        flag = a.split("=", 1)[0]
-        if hide:
-            out.append("DIR")
-        elif "=" in a and flag in _LOCAL_DIR_FLAGS:
-            out.append(flag + "=DIR")
-        else:
-            out.append(a)
-        hide = a in _LOCAL_DIR_FLAGS
-    return " ".join(out)
 
 
 def _train(args) -> int:
@@ -659,7 +640,7 @@ def _train(args) -> int:
         "comm": comm_to_dict(comm), "mode": mode, "optim": dataclasses.asdict(oc),
         "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
         "tokenizer": tokenizer.name, "data_key": data_key,
-        "args": {k: ("DIR" if v is not None and "--" + k.replace("_", "-") in _LOCAL_DIR_FLAGS
+        "args": {k: ("DIR" if v is not None and "--" + k.replace("_", "-") in LOCAL_DIR_FLAGS
                      else v) for k, v in vars(args).items() if k != "command"},
         "device": str(jax.devices()[0].device_kind),
     }

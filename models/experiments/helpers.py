@@ -22,6 +22,7 @@ from models import eval as E
 from models import model as M
 from models.checkpoints import load_checkpoint_spec
 from models.cli import make_mesh, place
+from models.cli import recorded_command as cli_command
 from models.config import CommConfig, check_tp, config_label, supported_tp
 from models.data import select_windows, text_stream
 
@@ -284,5 +285,5 @@ def log_line(args, line: str) -> None:
 
 
 def recorded_command(args) -> str:
-    """The command line of this run as stored in its JSON record."""
-    return "python -m models.experiments " + " ".join(args.argv)
+    """The command line of this run as stored in its JSON record (local folders as DIR)."""
+    return cli_command("models.experiments", args.argv)

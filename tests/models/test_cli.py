@@ -7,6 +7,7 @@ fresh 384-id BPE tokenizer (`--train-tokenizer`), so nothing is downloaded and t
 stays small. Tests that need the Shakespeare texts or the SmolLM2 GGUF skip without them.
 """
 
+import argparse
 import json
 import math
 import random
@@ -116,6 +117,19 @@ def test_help_of_every_cli_exits_zero(capsys):
         assert info.value.code == 0, prog
         usage = capsys.readouterr().out
         assert f"usage: python -m {prog}" in usage and flag in usage, prog
+
+
+def test_recorded_commands_write_local_folders_as_dir():
+    """The command a results JSON records (models.train and models.experiments): each local
+    folder's value is DIR, in both flag forms; files and other values stay."""
+    from models.experiments.helpers import recorded_command as experiments_command
+    argv = ["--preset", "tiny", "--cache-dir", "/a/b", "--checkpoint-dir=/c", "--tokens", "t",
+            "--shakespeare-dir", "s", "--json", "out.json", "--text-files", "x.txt"]
+    want = ("--preset tiny --cache-dir DIR --checkpoint-dir=DIR --tokens DIR "
+            "--shakespeare-dir DIR --json out.json --text-files x.txt")
+    assert CLI.recorded_command("models.train", argv) == "python -m models.train " + want
+    assert experiments_command(argparse.Namespace(argv=argv)) == \
+        "python -m models.experiments " + want
 
 
 def test_train_loss_decreases_and_outputs_are_written(run, capsys):
