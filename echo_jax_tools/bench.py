@@ -617,8 +617,9 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     w (3 (P-1)/P + 1). The compensated rows add the state: m1, m2 read where x' is formed,
     x, m1, m2 read again and m1, m2 written where y is produced (6 s + itemsize for an s-byte
     state value: 24 + itemsize in fp32, 12 + itemsize in bf16, 6.19 + itemsize in int8 with
-    its scales); the separate update also reads
-    y (one more itemsize). The rescaled
+    its scales), less the second read of x, m1, m2 in the fused rows' own segment (1/P of the
+    values), which the reduce stage can keep from the first (2 s + itemsize over P); the
+    separate update also reads y (one more itemsize). The rescaled
     row reads x once more for its max (itemsize). psum (a local reduction of the P rows under
     vmap here) reads and writes each row once. The "xla" rows run
     the same protocol, so their floor is the p2p row's of equal bits.
@@ -633,6 +634,8 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
         state = 2 if row.endswith("bf16state") else 1 + 4 / 128 if row.endswith(
             "int8state") else 4
         per_element += 6 * state + itemsize
+        if "fused" in row:
+            per_element -= (2 * state + itemsize) / ranks
     if "separate" in row:
         per_element += itemsize
     if "rescale" in row:

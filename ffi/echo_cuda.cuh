@@ -39,25 +39,6 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// ---- asynchronous copies into shared memory (cp.async, sm_80+) ------------------------------
-// A thread's copies land in shared memory while it computes; after cp_async_wait<N>() (at most N
-// of its newest commit groups still in flight) it may read what its own earlier groups copied.
-// The "memory" clobbers keep the compiler from moving shared-memory reads across the wait.
-
-// 16 bytes from global src (16-byte aligned) to shared dst, cached in L2 only (.cg).
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
-}
-// Closes the thread's current group of copies (an empty group is allowed).
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 // ---- element types -------------------------------------------------------------------------
 
 template <typename T>

@@ -68,55 +68,23 @@ struct FastStages {
       : ROT ? (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_ROT_32 : ECHO_P2P_MIN_BLOCKS_ROT_16)
             : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);
 
-  // ECHO_P2P_ROT_EXCHANGE (the uncompensated rotated instances; 0 by default):
-  // the rotation with half exchanges (quant_fast.cuh: one shuffle for two values a cross-lane
-  // stage instead of one a value; the same bits, checked on the host by
-  // ffi/tools/hadamard_exchange_check.cc). Its groups are loaded, stored as codes and stored as
-  // outputs at permuted lanes and pieces: in_piece, code_lane / code_piece, out_lane (the
-  // identity without it).
-  static constexpr bool kExchange = ROT && !COMP && ECHO_P2P_ROT_EXCHANGE;
-  using XP = fast::ExchangePlans<L>;  // instantiated only where kExchange
-  __device__ __forceinline__ static int in_piece(int j, int k) {
-    if constexpr (kExchange) return XP::input_piece(j, k);
-    return k;
-  }
-  __device__ __forceinline__ static int code_lane(int j) {
-    if constexpr (kExchange) return XP::rotated_lane(j);
-    return j;
-  }
-  __device__ __forceinline__ static int code_piece(int j, int k) {
-    if constexpr (kExchange) return XP::rotated_piece(j, k);
-    return k;
-  }
-  __device__ __forceinline__ static int out_lane(int j) {
-    if constexpr (kExchange) return XP::output_lane(j);
-    return j;
-  }
   __device__ __forceinline__ static void rotate_group(float (&v)[kLoads][kVec], int j,
                                                      uint32_t sm, float f) {
-    if constexpr (kExchange) fast::hadamard_exchange_rotate<L>(v, j, sm, f);
-    else fast::hadamard_rotate<L, !COMP>(v, j, sm, f);
+    fast::hadamard_rotate<L, !COMP>(v, j, sm, f);
   }
   __device__ __forceinline__ static void unrotate_group(float (&v)[kLoads][kVec], int j,
                                                        uint32_t sm_out, float f) {
-    if constexpr (kExchange) fast::hadamard_exchange_unrotate<L>(v, j, sm_out, f);
-    else fast::hadamard_unrotate<L, !COMP>(v, j, sm_out, f);
+    fast::hadamard_unrotate<L, !COMP>(v, j, sm_out, f);
   }
 
   // Lane j's sign mask (fast::hadamard_sign_mask), computed once a block: the hash costs
-  // ~25 instructions a value, too much to repeat for every tile. With kExchange, two: the
-  // forward rotation's input layout and the inverse's output layout differ.
+  // ~25 instructions a value, too much to repeat for every tile.
   __device__ static uint32_t* sign_masks() {
-    __shared__ uint32_t masks[kExchange ? 2 * kLanes : kLanes];
+    __shared__ uint32_t masks[kLanes];
     return masks;
   }
   __device__ static void setup() {
-    if constexpr (kExchange) {
-      if (threadIdx.x < kLanes) {
-        sign_masks()[threadIdx.x] = fast::exchange_sign_mask<L>(threadIdx.x, true);
-        sign_masks()[kLanes + threadIdx.x] = fast::exchange_sign_mask<L>(threadIdx.x, false);
-      }
-    } else if constexpr (ROT) {
+    if constexpr (ROT) {
       if (threadIdx.x < kLanes)
         sign_masks()[threadIdx.x] = fast::hadamard_sign_mask<L>(threadIdx.x);
     }
@@ -124,10 +92,6 @@ struct FastStages {
   __device__ static uint32_t sign_mask(int j) {
     if constexpr (ROT) return sign_masks()[j];
     return 0;
-  }
-  __device__ __forceinline__ static uint32_t sign_mask_out(int j) {  // the inverse rotation's
-    if constexpr (kExchange) return sign_masks()[kLanes + j];
-    return sign_mask(j);
   }
 
   static constexpr bool kStateBf16 = std::is_same_v<S, __nv_bfloat16>;
@@ -334,14 +298,10 @@ struct FastStages {
   }
 
   // The raw contribution (x as fp32) of the piece at element e; 0 past n (the padding).
-  // kStaged: a whole piece is read from `staged` (shared memory, copied there by prefetch_x)
-  // instead of x; a partial one from x, as prefetch_x leaves it out.
-  template <bool kStaged = false>
-  __device__ static void load_raw(const KernelArgs& a, int64_t e, float* v,
-                                  const uint4* staged = nullptr) {
+  __device__ static void load_raw(const KernelArgs& a, int64_t e, float* v) {
     const T* x = static_cast<const T*>(a.x);
     if (e + kVec <= a.n) {
-      fast::unpack_values<T, kVec>(kStaged ? *staged : *reinterpret_cast<const uint4*>(x + e), v);
+      fast::unpack_values<T, kVec>(*reinterpret_cast<const uint4*>(x + e), v);
     } else {
 #pragma unroll
       for (int t = 0; t < kVec; ++t) v[t] = e + t < a.n ? to_f32<T>(x[e + t]) : 0.0f;
@@ -351,19 +311,22 @@ struct FastStages {
   // The contribution, after the compensator's apply step (Eq. 10) when COMP; the padding beyond
   // n stays 0 (not compensated, as in the reference): x, m1 and m2 load as 0 there, and the
   // apply step of zeros is +0 (x + (+-0 + +-0) with x = +0), so no test a value is needed.
-  template <bool kStaged = false>
-  __device__ static void load_contrib(const KernelArgs& a, int64_t e, float* v,
-                                      const uint4* staged = nullptr) {
+  __device__ static void load_contrib(const KernelArgs& a, int64_t e, float* v) {
     float m1[kVec], m2[kVec];
     if constexpr (COMP && kJointLoads) {
       load_x_and_state(a, e, v, m1, m2);
     } else {
-      load_raw<kStaged>(a, e, v, staged);
+      load_raw(a, e, v);
       if constexpr (COMP) {
         load_m1(a, e, m1);
         load_m2(a, e, m2);
       }
     }
+    apply_and_scale(a, v, m1, m2);
+  }
+  // The apply step (Eq. 10, COMP) on x in v, then the rescaling (Sec. 5.4).
+  __device__ __forceinline__ static void apply_and_scale(const KernelArgs& a, float* v,
+                                                         const float* m1, const float* m2) {
     if constexpr (COMP) {
 #pragma unroll
       for (int t = 0; t < kVec; ++t) v[t] = comp_apply(v[t], m1[t], m2[t], a.k);
@@ -371,6 +334,76 @@ struct FastStages {
     const float f = scale_of(a);  // the rescaling, after the apply step (Sec. 5.4)
 #pragma unroll
     for (int t = 0; t < kVec; ++t) v[t] = mul_rn(v[t], f);
+  }
+
+  // The reduce stage's own piece in the int8 state's unrotated 16-bit instances: x, m1, m2 and
+  // the scales as stored, loaded once before the sum, so that they are in flight with the
+  // peers' codes, and kept in registers (10 words a lane) for the update, which needs the same
+  // values; the peers are read one ahead (load_peer_words). Without it the own contribution was
+  // loaded where its turn in the rank-order sum came, then x, m1, m2 again after the sum: two
+  // more round trips, and 2 s + e bytes a value of the own segment read twice. Not in the other
+  // compensated instances: it took the bf16 state's from 64 to 78-96 registers and the fp32-x
+  // int8 ones from 48 to 60, and those ran slower (docs/gpu.md has the times).
+  static constexpr bool kKeepOwn = COMP && UPDATE && !ROT && kStateQ8 && sizeof(T) == 2;
+  struct OwnWords {
+    uint4 x;                // kVec values of T
+    Pack<S, kVec> m1, m2;   // kVec values of the state as stored (int8: codes)
+    float s1, s2;           // the int8 state's scales
+  };
+  // The words of the piece at element e; past n, zeros (x, m1, m2 then read as +0, as
+  // load_raw / load_state give them; an int8 group of padding alone has scale 0).
+  __device__ static void load_own(const KernelArgs& a, int64_t e, OwnWords& o) {
+    const T* x = static_cast<const T*>(a.x);
+    const S* m1 = static_cast<const S*>(a.m1);
+    const S* m2 = static_cast<const S*>(a.m2);
+    if (e + kVec <= a.n) {
+      o.x = *reinterpret_cast<const uint4*>(x + e);
+      o.m1 = *reinterpret_cast<const Pack<S, kVec>*>(m1 + e);
+      o.m2 = *reinterpret_cast<const Pack<S, kVec>*>(m2 + e);
+    } else {  // the row's last piece
+      Pack<T, kVec> xs;
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        xs.v[t] = e + t < a.n ? x[e + t] : from_f32<T>(0.0f);
+        o.m1.v[t] = e + t < a.n ? m1[e + t] : state_zero();
+        o.m2.v[t] = e + t < a.n ? m2[e + t] : state_zero();
+      }
+      o.x = *reinterpret_cast<const uint4*>(&xs);
+    }
+    if constexpr (kStateQ8) {  // not __ldg: rewritten in this kernel (load_state_q8)
+      o.s1 = e < a.n ? a.s1[e / kStateGroup] : 0.0f;
+      o.s2 = e < a.n ? a.s2[e / kStateGroup] : 0.0f;
+    }
+  }
+  // With kKeepOwn, the reduce stage reads its peers one ahead: the next peer's parameters and
+  // code word are loaded before this one's are decoded, so the P - 1 peers' loads overlap
+  // instead of taking a round trip each (3 more words a lane).
+  __device__ __forceinline__ static void load_peer_words(const KernelArgs& a, int r,
+                                                         int64_t local, int j, uint32_t& wire,
+                                                         uint2& word) {
+    const uint8_t* slot = a.ws[a.me] + push_slot(r, a.slot_bytes);
+    wire = fast::load_wire(reinterpret_cast<const uint16_t*>(slot + a.params_offset), local,
+                           a.policy);
+    word = fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, 0));
+  }
+  __device__ __forceinline__ static S state_zero() {
+    if constexpr (kStateQ8) return 0;
+    else return from_f32<S>(0.0f);
+  }
+  __device__ __forceinline__ static void unpack_state(const Pack<S, kVec>& w, float s,
+                                                      float* v) {
+    if constexpr (kStateQ8) {
+      codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(w), s, v);
+    } else {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) v[t] = to_f32<S>(w.v[t]);
+    }
+  }
+  __device__ __forceinline__ static void unpack_own(const OwnWords& o, float* x, float* m1,
+                                                    float* m2) {
+    fast::unpack_values<T, kVec>(o.x, x);
+    unpack_state(o.m1, o.s1, m1);
+    unpack_state(o.m2, o.s2, m2);
   }
 
   // What the state update of a piece reads (COMP): x as fp32 and m1, m2. The unrotated stages
@@ -450,85 +483,26 @@ struct FastStages {
     return local * kCodeBytes + static_cast<int64_t>(k * kLanes + j) * kPieceBytes;
   }
 
-  // ECHO_P2P_PREFETCH (a build switch, 0 by default): bit 0, the uncompensated push copies the
-  // next group set's x into shared memory (cp.async, two buffers a warp, 16 KiB a block) while
-  // it quantizes the current one; bit 1, the reduce its own x likewise. Why: the stages wait on
-  // memory with one group set a warp in flight (the push takes longer than issuing its
-  // instructions or moving its bytes alone would; docs/gpu.md), and issuing the next set's
-  // loads into registers raised them and was slower (below); copies into shared memory keep
-  // loads in flight without registers. Each lane reads back only the words it copied, so its own
-  // cp.async.wait_group orders them (no barrier).
-  static constexpr bool kPrefetchPush = (ECHO_P2P_PREFETCH & 1) && !COMP;
-  static constexpr bool kPrefetchReduce = (ECHO_P2P_PREFETCH & 2) && !COMP;
-  static constexpr bool kPrefetch = kPrefetchPush || kPrefetchReduce;  // the buffers exist
-  __device__ static uint4* prefetch_buffer(int warp, int stage) {
-    __shared__ uint4 staged[kPrefetch ? kThreads / kWarp : 1][2][kLoads * kWarp];
-    return staged[kPrefetch ? warp : 0][stage];
-  }
-  // Lane's word of piece k in buffer `stage` (nullptr without kPrefetch: no shared array then).
-  __device__ static const uint4* staged_piece(int warp, int stage, int k, int lane) {
-    if constexpr (kPrefetch) return prefetch_buffer(warp, stage) + k * kWarp + lane;
-    return nullptr;
-  }
-  // Starts the copies of the lane's whole pieces of group set q0 of segment seg's tile into buf
-  // (word k * kWarp + lane: consecutive lanes, consecutive 16-byte words) and closes the group;
-  // partial pieces (past n) are left to load_raw.
-  __device__ static void prefetch_x(const KernelArgs& a, int seg, int64_t first, int count,
-                                    int q0, int lane, uint4* buf) {
-    const int q = q0 + lane / kLanes;
-    if (q < count) {
-      const T* x = static_cast<const T*>(a.x);
-      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
-#pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
-        const int64_t e = e0 + L::index(lane % kLanes, k, 0);
-        if (e + kVec <= a.n) cp_async_16(&buf[k * kWarp + lane], x + e);
-      }
-    }
-    cp_async_commit();
-  }
-  // A stage loop over the group sets q0 = warp * kGpw, + warps * kGpw, ... stages x when kOn:
-  // the first set before the loop (prefetch_start), then at the top of each iteration (buffer s)
-  // the next set's copies into the other buffer and the wait for this set's (prefetch_next).
-  template <bool kOn>
-  __device__ __forceinline__ static void prefetch_start(const KernelArgs& a, int seg,
-                                                        int64_t first, int count, int warp,
-                                                        int lane) {
-    if constexpr (kOn)
-      prefetch_x(a, seg, first, count, warp * kGpw, lane, prefetch_buffer(warp, 0));
-  }
-  template <bool kOn>
-  __device__ __forceinline__ static void prefetch_next(const KernelArgs& a, int seg,
-                                                       int64_t first, int count, int q0,
-                                                       int warps, int warp, int lane, int s) {
-    if constexpr (kOn) {
-      prefetch_x(a, seg, first, count, q0 + warps * kGpw, lane, prefetch_buffer(warp, s ^ 1));
-      cp_async_wait<1>();  // this set's copies (the group before the newest) have landed
-    }
-  }
-
   // Issuing the loads of two group sets per warp before using either, and the P - 1 peers'
   // code words of a group before the sum, raised the registers (fp32 48 -> 73, bf16 64 -> 90 a
   // thread), so fewer blocks fit an SM, and made the call slower: one group set a warp at a
-  // time, loads issued per stage as below.
+  // time, loads issued per stage as below (the int8 state's reduce reads one peer ahead:
+  // kKeepOwn).
 
   // push of the uncompensated unrotated fp32 call: the group's range from x as loaded, with
   // min.NaN / max.NaN (two instructions a value; order keys take five), then scaled. Scaling by
   // the power-of-two factor f is monotone and keeps signs, so the min / max of the scaled values
   // are the scaled lo / hi bit for bit (-0 < +0 included); fewer instructions, a faster push.
   // The 16-bit instances keep the keys: the same change with their min.NaN.bf16x2 words spilled
-  // 300-350 bytes a thread under their 5-blocks bound and made them slower;
-  // ECHO_P2P_PLAIN_PUSH_16 gives them this push over the unpacked fp32 values.
+  // 300-350 bytes a thread under their 5-blocks bound and made them slower, and this push over
+  // their unpacked fp32 values was no faster than the keys (docs/gpu.md).
   __device__ static void push_plain(const KernelArgs& a, int seg, int64_t first, int count,
                                     int64_t local0, int warp, int warps, int lane) {
     const int j = lane % kLanes;
     uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
     uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
     const float f = scale_of(a);
-    prefetch_start<kPrefetchPush>(a, seg, first, count, warp, lane);
-    // s: the buffer of this group set (prefetch), toggled by every iteration, `continue` too.
-    for (int q0 = warp * kGpw, s = 0; q0 < count; q0 += warps * kGpw, s ^= 1) {
-      prefetch_next<kPrefetchPush>(a, seg, first, count, q0, warps, warp, lane, s);
+    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
       const int q = q0 + lane / kLanes;
       const bool valid = q < count;
       const int64_t e0 = (seg * a.seg_groups + first + q) * G;
@@ -537,7 +511,7 @@ struct FastStages {
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         if (valid) {
-          load_raw<kPrefetchPush>(a, e0 + L::index(j, k, 0), v[k], staged_piece(warp, s, k, lane));
+          load_raw(a, e0 + L::index(j, k, 0), v[k]);
         } else {
 #pragma unroll
           for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
@@ -566,7 +540,7 @@ struct FastStages {
   // push: quantize the tile's groups of segment seg into owner seg's push slot for this rank.
   __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
-    if constexpr (!COMP && !ROT && (sizeof(T) == 4 || ECHO_P2P_PLAIN_PUSH_16)) {
+    if constexpr (!COMP && !ROT && sizeof(T) == 4) {
       push_plain(a, seg, first, count, local0, warp, warps, lane);
       return;
     }
@@ -576,9 +550,7 @@ struct FastStages {
     uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
     // q0 is the same for the 32 lanes of a warp, so every shuffle runs with the whole warp;
     // the lanes of a group past the tile's end compute on zeros and store nothing.
-    prefetch_start<kPrefetchPush>(a, seg, first, count, warp, lane);
-    for (int q0 = warp * kGpw, s = 0; q0 < count; q0 += warps * kGpw, s ^= 1) {
-      prefetch_next<kPrefetchPush>(a, seg, first, count, q0, warps, warp, lane, s);
+    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
       const int q = q0 + lane / kLanes;
       const bool valid = q < count;
       const int64_t e0 = (seg * a.seg_groups + first + q) * G;
@@ -586,8 +558,7 @@ struct FastStages {
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         if (valid) {
-          load_contrib<kPrefetchPush>(a, e0 + L::index(j, in_piece(j, k), 0), v[k],
-                                      staged_piece(warp, s, in_piece(j, k), lane));
+          load_contrib(a, e0 + L::index(j, k, 0), v[k]);
         } else {
 #pragma unroll
           for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
@@ -603,8 +574,7 @@ struct FastStages {
         uint32_t codes[kVec];
 #pragma unroll
         for (int t = 0; t < kVec; ++t) codes[t] = fast::encode<BITS>(v[k][t], enc);
-        fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, code_lane(j), code_piece(j, k)),
-                                      codes, enc.mask);
+        fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, j, k), codes, enc.mask);
       }
     }
   }
@@ -634,9 +604,8 @@ struct FastStages {
       }
       if (valid) {
         for (int r = 0; r < a.P; ++r)
-          fast::store_piece<kVec, BITS>(
-              a.ws[r] + gather + piece_byte(local, code_lane(j), code_piece(j, k)), codes,
-              0xFFFFFFFFu);
+          fast::store_piece<kVec, BITS>(a.ws[r] + gather + piece_byte(local, j, k), codes,
+                                        0xFFFFFFFFu);
       }
     }
     unrotate_group(y, j, sm_out, a.rot_scale);
@@ -644,8 +613,8 @@ struct FastStages {
 #pragma unroll
     for (int k = 0; k < kLoads; ++k) {
       UpdateIn in;
-      load_update(a, e0 + L::index(out_lane(j), k, 0), in);
-      store_output(a, e0 + L::index(out_lane(j), k, 0), y[k], in);
+      load_update(a, e0 + L::index(j, k, 0), in);
+      store_output(a, e0 + L::index(j, k, 0), y[k], in);
     }
   }
 
@@ -654,13 +623,22 @@ struct FastStages {
                                 int warp, int warps, int lane) {
     const int j = lane % kLanes;
     const uint32_t sm = sign_mask(j);
-    prefetch_start<kPrefetchReduce>(a, a.me, first, count, warp, lane);  // the own x
-    for (int q0 = warp * kGpw, s = 0; q0 < count; q0 += warps * kGpw, s ^= 1) {
-      prefetch_next<kPrefetchReduce>(a, a.me, first, count, q0, warps, warp, lane, s);
+    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
       const int q = q0 + lane / kLanes;
       const bool valid = q < count;
       const int64_t local = local0 + q;
       const int64_t e0 = (a.me * a.seg_groups + first + q) * G;
+      OwnWords own;
+      uint32_t ahead_wire = 0;
+      uint2 ahead_word = make_uint2(0, 0);
+      if constexpr (kKeepOwn) {
+        if (valid) {
+          const int first_peer = a.me == 0 ? 1 : 0;
+          if (first_peer < a.P)
+            load_peer_words(a, first_peer, local, j, ahead_wire, ahead_word);
+          load_own(a, e0 + L::index(j, 0, 0), own);
+        }
+      }
       // fp32 sum in rank order 0..P-1, the own full-precision contribution at its own position.
       float acc[kLoads][kVec];
       for (int r = 0; r < a.P; ++r) {
@@ -671,10 +649,26 @@ struct FastStages {
 #pragma unroll
             for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
         } else if (r == a.me) {
+          if constexpr (kKeepOwn) {
+            float m1[kVec], m2[kVec];
+            unpack_own(own, v[0], m1, m2);
+            apply_and_scale(a, v[0], m1, m2);
+          } else {
 #pragma unroll
-          for (int k = 0; k < kLoads; ++k)
-            load_contrib<kPrefetchReduce>(a, e0 + L::index(j, in_piece(j, k), 0), v[k],
-                                          staged_piece(warp, s, in_piece(j, k), lane));
+            for (int k = 0; k < kLoads; ++k)
+              load_contrib(a, e0 + L::index(j, k, 0), v[k]);
+          }
+        } else if constexpr (kKeepOwn) {
+          // This peer's words, loaded one peer before; the next peer's loads go out first.
+          const uint32_t wire = ahead_wire;
+          const uint2 word = ahead_word;
+          const int next = r + 1 == a.me ? r + 2 : r + 1;
+          if (next < a.P) load_peer_words(a, next, local, j, ahead_wire, ahead_word);
+          uint32_t codes[kVec];
+          fast::unpack_piece_codes<kVec, BITS>(word, codes);
+          const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) v[0][t] = fast::decode_fast(codes[t], d);
         } else {
           const uint8_t* slot = a.ws[a.me] + push_slot(r, a.slot_bytes);
           const DequantParams d = fast::decoder_of<BITS>(
@@ -685,9 +679,7 @@ struct FastStages {
           for (int k = 0; k < kLoads; ++k) {
             uint32_t codes[kVec];
             fast::unpack_piece_codes<kVec, BITS>(
-                fast::load_piece_word<kVec, BITS>(
-                    slot + piece_byte(local, code_lane(j), code_piece(j, k))),
-                codes);
+                fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k)), codes);
 #pragma unroll
             for (int t = 0; t < kVec; ++t) v[k][t] = fast::decode_fast(codes[t], d);
           }
@@ -705,14 +697,15 @@ struct FastStages {
       const fast::Encoder enc = group_encoder(a, acc, &wire);
       if constexpr (ROT) {
         reduce_rotated_output(a, acc, enc, wire, valid, local, e0, j,
-                              kExchange ? sign_mask_out(j) : sm);
+                              sm);
       } else {
         // Written out in place: the same code as a helper like reduce_rotated_output (the
         // gather offset hoisted) took the fp32 kernel from 48 to 61 registers (ptxas, sm_90a,
         // g = 128), 4 instead of 5 blocks an SM.
         if (!valid) continue;
         UpdateIn in[kLoads];
-        prefetch_update(a, e0, j, in);
+        if constexpr (kKeepOwn) unpack_own(own, in[0].x, in[0].m1, in[0].m2);
+        else prefetch_update(a, e0, j, in);
         if (j == 0) {  // the parameters go to every rank's gather slot for this owner
           for (int r = 0; r < a.P; ++r)
             fast::store_wire(reinterpret_cast<uint16_t*>(a.ws[r] +
@@ -746,7 +739,7 @@ struct FastStages {
                                       int64_t local0, int warp, int warps, int lane,
                                       const uint8_t* slot, const uint16_t* prm) {
     const int j = lane % kLanes;
-    const uint32_t sm = kExchange ? sign_mask_out(j) : sign_mask(j);  // the inverse's
+    const uint32_t sm = sign_mask(j);
     for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
       const int q = q0 + lane / kLanes;
       const bool valid = q < count;
@@ -758,8 +751,7 @@ struct FastStages {
       uint2 words[kLoads];
 #pragma unroll
       for (int k = 0; k < kLoads; ++k)
-        words[k] = valid ? fast::load_piece_word<kVec, BITS>(
-                               slot + piece_byte(local, code_lane(j), code_piece(j, k)))
+        words[k] = valid ? fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k))
                          : make_uint2(0, 0);
       float y[kLoads][kVec];
 #pragma unroll
@@ -774,8 +766,8 @@ struct FastStages {
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {
         UpdateIn in;
-        load_update(a, e0 + L::index(out_lane(j), k, 0), in);
-        store_output(a, e0 + L::index(out_lane(j), k, 0), y[k], in);
+        load_update(a, e0 + L::index(j, k, 0), in);
+        store_output(a, e0 + L::index(j, k, 0), y[k], in);
       }
     }
   }

@@ -60,22 +60,6 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_MIN_BLOCKS_Q8
 #define ECHO_P2P_MIN_BLOCKS_Q8 1
 #endif
-// 1: the 16-bit uncompensated unrotated push takes its group range before scaling, over the
-// unpacked fp32 values, as the fp32 one (push_plain; ptxas: 48 registers under the bound, a
-// little more spill than the default). 0: the order-key push (the default).
-#ifndef ECHO_P2P_PLAIN_PUSH_16
-#define ECHO_P2P_PLAIN_PUSH_16 0
-#endif
-// 1: the uncompensated rotated instances rotate with half exchanges (FastStages::kExchange,
-// quant_fast.cuh; the same bits, checked on the host). 0: one shuffle a value (the default).
-#ifndef ECHO_P2P_ROT_EXCHANGE
-#define ECHO_P2P_ROT_EXCHANGE 0
-#endif
-// Bit 0: the uncompensated push stages the next group set's x in shared memory, bit 1: the
-// reduce its own x (FastStages::kPrefetchPush / kPrefetchReduce). 0: no staging (the default).
-#ifndef ECHO_P2P_PREFETCH
-#define ECHO_P2P_PREFETCH 0
-#endif
 
 // Error codes written to the host-mapped error word (1 + stage * 256 + peer).
 enum Stage : int { kStagePush = 0, kStageGather = 1 };

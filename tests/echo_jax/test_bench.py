@@ -244,10 +244,13 @@ def test_byte_floor_against_hand_counted_bytes():
     assert bench.byte_floor("xla4", n, 4, 4) == bench.byte_floor("p2p4", n, 4, 4)
     # 8 bits: w = 1 + 4 / 128; bf16 at P = 2: x and y 2 B each.
     assert bench.byte_floor("p2p8", n, 2, 2) == round((4 + 1.03125 * (0.5 * 3 + 1)) * n * 2)
-    # The fused compensator adds m1, m2 read (8), x, m1, m2 read again (4 + 8), m1, m2 written (8).
-    assert bench.byte_floor("p2p4-comp-fused", n, 4, 4) == round((per_value + 28) * n * 4)
-    # A bf16 state halves the state's 24 B: 12 B + x read again.
-    assert bench.byte_floor("p2p4-comp-fused-bf16state", n, 4, 4) == round((per_value + 16) * n * 4)
+    # The fused compensator adds m1, m2 read (8), x, m1, m2 read again (4 + 8), m1, m2 written
+    # (8); the own segment's quarter of the values skips the second read (12 / 4).
+    assert bench.byte_floor("p2p4-comp-fused", n, 4, 4) == round((per_value + 25) * n * 4)
+    # A bf16 state halves the state's 24 B: 12 B + x read again, less (4 + 4) / 4.
+    assert bench.byte_floor("p2p4-comp-fused-bf16state", n, 4, 4) == round((per_value + 14) * n * 4)
+    # The separate update re-reads everything, and y: 28 + 4.
+    assert bench.byte_floor("p2p4-comp-separate", n, 4, 4) == round((per_value + 32) * n * 4)
     assert bench.byte_floor("psum", n, 4, 4) == 2 * 4 * n * 4
     # The rescaled row reads x once more for its max.
     assert bench.byte_floor("p2p4-rescale", n, 4, 4) == round((per_value + 4) * n * 4)

@@ -201,13 +201,14 @@ def test_virtual_ranks_int8_state_match_reference(cuda, xdtype, rotation):
     group): codes times scale where x' is formed; where y is produced, a group's new values, its
     scale from their largest |v| across the group's lanes, and its codes. y and every code and
     scale bit for bit with the xla transport's (`echo_jax.compensator`, itself checked against
-    NumPy), two chained calls, 4 and 8 bits, P = 2 and 4, a short last group (n = 4096 + 64),
+    NumPy), two chained calls, 4 and 8 bits, P = 2, 3 and 4 (the reduce stage reads its peers
+    one ahead, skipping its own rank), a short last group (n = 4096 + 64),
     a contribution with a NaN (its groups' sums and state groups NaN on both), and one whose
     128-value groups span the dtype's range (each group times its own power of two, 2^-100 to
     2^120, fp16 2^-8 to 2^12: state groups below the 2^-100 threshold and near the top of the
     range; the kernels' code conversions rest on exact products there too)."""
     rng = np.random.default_rng(3 + len(xdtype))
-    for nranks, bits, n, case in ((4, 4, 65536, ""), (2, 8, 4096 + 64, ""),
+    for nranks, bits, n, case in ((4, 4, 65536, ""), (2, 8, 4096 + 64, ""), (3, 4, 4096 + 64, ""),
                                   (4, 4, 4096 + 64, "nan"), (2, 4, 8192, "range")):
         nan = case == "nan"
         cfg = ej.EchoConfig(bits=bits, rotation=rotation, state_dtype="int8")
