@@ -1,8 +1,8 @@
 r"""Projection of one all-reduce on a real P-GPU NVLink machine from single-GPU measurements.
 
-    python -m echo_jax_tools.bench project [--preset a100-nvlink3|h200-nvlink4|all] [--ranks 4,8]
-        [--sizes 64MB,256MB,1GB] [--dtypes float32,bfloat16] [--link-gbps G] [--latency-us A]
-        [--hbm-gbps H] [--nccl-busbw-gbps B] [--p2p-eff E] [--state-bytes 4|2]
+    python -m echo_jax_tools.bench project [--preset a100-nvlink3|h100-nvlink4|h200-nvlink4|all]
+        [--ranks 4,8] [--sizes 64MB,256MB,1GB] [--dtypes float32,bfloat16] [--link-gbps G]
+        [--latency-us A] [--hbm-gbps H] [--nccl-busbw-gbps B] [--p2p-eff E] [--state-bytes 4|2|1]
         [--kernels-json F|none] [--allreduce-json F|none] [--json OUT] [--png OUT]
 
 This is a model, not a measurement: the project has measured Echo on one GPU only (virtual ranks),
@@ -101,6 +101,9 @@ Link presets (defaults; every value is overridable by a flag):
       GPUs, pass --nccl-busbw-gbps 480 to model it); eta_p2p = 0.82 (the same protocol overhead);
       alpha = 1 us (assumption: NCCL's small-message all-reduce latency over 2 (P-1) steps is of
       this order).
+  h100-nvlink4: the NVLink4 link and NCCL model of h200-nvlink4 (NVIDIA H100 SXM datasheet: NVLink
+      900 GB/s over 18 NVLink4 links, B = 450 GB/s per direction), HBM 3350 GB/s (datasheet: 3.35
+      TB/s HBM3, the H100 SXM 80GB), B_nccl = 370 GB/s, eta_p2p = 0.82, alpha = 1 us.
   a100-nvlink3: B = 300 GB/s per direction (NVIDIA A100 SXM datasheet: NVLink 600 GB/s over 12
       NVLink3 links); HBM 2039 GB/s (A100 80GB SXM datasheet; the 40GB part has 1555 GB/s);
       B_nccl = 179 GB/s, derived from the Echo paper's own NCCL time (Sec. 7, Table 2: 9.00 ms for
@@ -217,6 +220,8 @@ class Link:
 PRESETS = {
     "h200-nvlink4": Link("h200-nvlink4", link_gbps=450.0, latency_us=1.0, hbm_gbps=4800.0,
                          nccl_busbw_gbps=370.0, p2p_eff=0.82, device="H200"),
+    "h100-nvlink4": Link("h100-nvlink4", link_gbps=450.0, latency_us=1.0, hbm_gbps=3350.0,
+                         nccl_busbw_gbps=370.0, p2p_eff=0.82, device="H100"),
     "a100-nvlink3": Link("a100-nvlink3", link_gbps=300.0, latency_us=1.0, hbm_gbps=2039.0,
                          nccl_busbw_gbps=round(2 * 3 / 4 * 2**30 / 9.00e-3 / 1e9, 1),
                          p2p_eff=0.82, device="A100"),

@@ -205,6 +205,18 @@ def test_compensated_row_is_p2p4_plus_the_measured_added_time(tmp_path):
     assert f8["extra_s"] == pytest.approx(extra, rel=1e-9)
 
 
+def test_the_h100_preset_takes_the_measured_added_time_unscaled(tmp_path):
+    # The preset of the GPU the added times are measured on (an H100 SXM: NVLink4, 450 GB/s a
+    # direction, 3.35 TB/s HBM3): the HBM ratio is 1, so the extra over p2p4 is the measured
+    # one per virtual rank, for 4x the values of the 256 MB measurement.
+    link = pj.PRESETS["h100-nvlink4"]
+    assert (link.link_gbps, link.hbm_gbps, link.device) == (450.0, 3350.0, "H100")
+    eff = pj.load_efficiency(None, str(_hand_json(tmp_path)))
+    res = pj.project([link], [GiB], [4], ["bfloat16"], eff)
+    fused = next(r for r in res["rows"] if r["row"] == "comp-fused")
+    assert fused["extra_s"] == pytest.approx((5.5e-3 - 1.5e-3) / 4 * 4, rel=1e-9)
+
+
 def test_a_row_without_measured_added_time_is_not_projected(tmp_path, capsys):
     path = _hand_json(tmp_path)
     eff = pj.load_efficiency(None, str(path))
@@ -312,7 +324,7 @@ def test_project_shape_and_monotonicity():
     sizes = [64 * MiB, 256 * MiB, GiB]
     res = pj.project(list(pj.PRESETS.values()), sizes, [4, 8], ["float32", "bfloat16"], eff)
     rows = _rows(res)
-    assert len(res["rows"]) == 2 * 2 * 2 * 3 * len(pj.ROWS)
+    assert len(res["rows"]) == len(pj.PRESETS) * 2 * 2 * 3 * len(pj.ROWS)  # presets, P, dtypes, sizes
     for (preset, P, dtype, size, row), r in rows.items():
         if row.startswith("comp-"):
             # The stored JSON has no added_to_next_matmul_s: not projected.
@@ -402,7 +414,7 @@ def test_cli_writes_json_from_stored_results(tmp_path, capsys, monkeypatch):
     res = json.loads(out.read_text())
     assert res["benchmark"] == "project" and "not a measurement" in res["note"]
     assert res["sources"]["allreduce_json"].endswith("bench_allreduce_h200x1-virtual4.json")
-    assert len(res["rows"]) == 2 * 2 * 2 * 3 * len(pj.ROWS)
+    assert len(res["rows"]) == len(pj.PRESETS) * 2 * 2 * 3 * len(pj.ROWS)  # presets, P, dtypes, sizes
     assert {r["hbm_source"] for r in res["rows"]
             if r["row"] != "psum" and not r["row"].startswith("comp-")} == {"allreduce-json"}
     assert len(res["not_projected"]) == 4  # comp-fused, comp-separate x fp32, bf16
