@@ -7,8 +7,8 @@ wire bytes where the error hurts. This module holds the model-independent parts:
 
 * `parse_site_config("4g64-h")` and `site_config_label(config)`: short names of site configs,
   ``<bits>g<group size>[-sym|-naive][-h]`` (``-h``: Hadamard rotation) or ``16`` (exact psum);
-* `site_wire_bits(config)`: wire bits per element of one site (codes plus fp16 scale and
-  zero-point spread over the group, Sec. 4; 16 for the exact psum);
+* `site_wire_bits(config)`: wire bits per element of one site (codes plus the bf16 scale and
+  fp16 zero-point spread over the group, Sec. 4; 16 for the exact psum);
 * `choose_site_configs(estimates, costs, budget)`: the greedy knapsack that picks one config
   per site under an average budget from per-site estimates of the loss increase.
 
@@ -99,7 +99,7 @@ def site_config_label(config: Optional[EchoConfig]) -> str:
 
 def site_wire_bits(config: Optional[EchoConfig]) -> float:
     """Nominal wire bits per element of one site: 16 for the exact psum (None), else the codes
-    plus the fp16 scale (and zero-point, asym) of a group over its g values (4.25 for 4-bit
+    plus the bf16 scale (and fp16 zero-point, asym) of a group over its g values (4.25 for 4-bit
     g = 128 asym, 4.5 for g = 64, 8.25 for 8-bit g = 128); the same as
     `EchoConfig.wire_bits_per_element`. Padding of a tensor to whole groups is not counted."""
     if config is None:

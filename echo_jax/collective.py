@@ -248,15 +248,9 @@ def resolve_transport(config: EchoConfig, axis=None, num_elements=None) -> str:
 #: The values of echo_psum's `rescale`.
 RESCALE_MODES = (False, True, "auto")
 
-#: rescale="auto" scales up a contribution whose group-wide max |x| is below this, so that the
-#: smallest groups' fp16 scales do not leave fp16's normal range (at 4 and 8 bits).
-AUTO_RESCALE_BELOW = 2.0 ** -6
-
-#: log2 of the bound the rescaling keeps P * max |x * factor| below (times sqrt(g) with the
-#: rotation): 2^15, half of fp16's largest value (65504), so that no fp16 group scale or
-#: zero-point of the protocol overflows, in the reduce stage's sum of P copies either (a
-#: constant group sends its value as its scale; a 4-bit group spanning [-A, A] needs
-#: 2A / 15 <= 65504). rescale="auto" scales a contribution down from `auto_rescale_above` up.
+#: log2 of the bound rescale=True keeps P * max |x * factor| below (times sqrt(g) with the
+#: rotation): 2^15. For P <= 64 the target [256, 512) is below it; for larger groups the factor
+#: is lowered so that the sum of P scaled contributions stays below 2^15 too.
 RESCALE_TOP_LOG2 = 15
 
 
@@ -264,10 +258,10 @@ def _ceil_log2(n: int) -> int:
     return max(int(n) - 1, 0).bit_length()
 
 
-def auto_rescale_above(num_ranks: int, headroom_log2: int = 0) -> float:
-    """The group-wide max |x| from which rescale="auto" (and True) scales a contribution down:
+def rescale_ceiling(num_ranks: int, headroom_log2: int = 0) -> float:
+    """The bound T that rescale=True keeps the scaled max |x| below:
     2^(RESCALE_TOP_LOG2 - ceil(log2 P) - headroom_log2), e.g. 8192 at P = 4 and 4096 at P = 8
-    without the rotation. Below it (down to AUTO_RESCALE_BELOW) "auto" leaves x unscaled.
+    without the rotation (only binding for P > 64, where [256, 512) would pass it).
 
     Args:
       num_ranks: P, the size of the reduced group.
@@ -277,12 +271,9 @@ def auto_rescale_above(num_ranks: int, headroom_log2: int = 0) -> float:
 
 
 def check_rescale(rescale, where="echo_psum"):
-    """rescale as one of RESCALE_MODES, or a ValueError that names the value."""
-    if rescale is True or rescale is False or rescale == "auto":
-        return rescale
-    if isinstance(rescale, (np.bool_,)):
-        return bool(rescale)
-    raise ValueError(f"{where}: rescale must be True, False or 'auto', got {rescale!r}")
+    """rescale as True or False ("auto" is False), or a ValueError that names the value
+    (`transports.resolve_rescale`, which `transports.plan` applies too)."""
+    return transports.resolve_rescale(rescale, where)
 
 
 def rotation_headroom_log2(config: EchoConfig) -> int:
@@ -298,23 +289,24 @@ def rescale_factor(x, axis, mode=True, headroom_log2: int = 0, num_ranks: int | 
 
     One scalar `pmax` of the largest finite |x| across the group (NaN and +-inf are left out:
     their groups are NaN whatever the factor, and the other groups still get theirs). With
-    T = `auto_rescale_above(P, headroom_log2)` (2^15 / P, rounded down to a power of two, and
-    2^headroom_log2 lower with the rotation): mode True scales the max into
-    [256, 512) / 2^headroom_log2, or into [T / 2, T) where that is lower (P > 64); "auto" scales
-    it the same way where it lies below AUTO_RESCALE_BELOW, into [T / 2, T) where it is T or
-    more, and gives 1 in between (the unscaled call). 1 when the max is 0. Multiplying and
-    dividing by it is exact (a normal power of two, 2^-126 .. 2^120).
+    T = `rescale_ceiling(P, headroom_log2)` (2^15 / P, rounded down to a power of two, and
+    2^headroom_log2 lower with the rotation): the max lands in [256, 512) / 2^headroom_log2, or
+    in [T / 2, T) where that is lower (P > 64). 1 when the max is 0. Multiplying and dividing by
+    it is exact (a normal power of two, 2^-126 .. 2^120).
 
     Args:
       x: this rank's values (any float dtype; the max is taken in it, no fp32 copy of x).
       axis: the bound axis of the all-reduce (or a tuple of axis names).
-      mode: True or "auto".
+      mode: True (the only mode that scales; kept as an argument for echo_psum's `rescale`).
       headroom_log2: aim this many powers of two lower (`rotation_headroom_log2`: the rotation
         can raise a group's max by up to sqrt(g), so a rotated call keeps its rotated values
         in range too).
       num_ranks: P (default: the size of `axis`); the reduce stage sums P copies, so the bound
         is P times lower.
     """
+    if mode is not True:
+        raise ValueError(f"rescale_factor: mode must be True, got {mode!r} (rescale='auto' "
+                         "and False take no factor)")
     # The factor is a constant of the derivative (a power of two chosen from the data): take it
     # from a stopped value, so that grad / jvp never differentiate the pmax (no rule for it).
     x = lax.stop_gradient(x)
@@ -328,14 +320,7 @@ def rescale_factor(x, axis, mode=True, headroom_log2: int = 0, num_ranks: int | 
     num_ranks = lax.axis_size(axis) if num_ranks is None else int(num_ranks)
     top = RESCALE_TOP_LOG2 - _ceil_log2(num_ranks) - int(headroom_log2)
     _, e = jnp.frexp(amax)  # amax in [2^(e-1), 2^e)
-    k_up = min(9 - int(headroom_log2), top) - e
-    k_down = top - e
-    if mode == "auto":
-        k = jnp.where(amax < jnp.float32(AUTO_RESCALE_BELOW), k_up,
-                      jnp.where(amax >= jnp.float32(2.0 ** top), k_down, 0))
-    else:
-        k = k_up
-    k = jnp.clip(k, -126, 120)
+    k = jnp.clip(min(9 - int(headroom_log2), top) - e, -126, 120)
     ok = jnp.isfinite(amax) & (amax > 0)
     return jnp.where(ok, jnp.ldexp(jnp.float32(1), k), jnp.float32(1))
 
@@ -454,10 +439,9 @@ def _echo_float(x, state, axis, config: EchoConfig, rescale: bool):
     plan = transports.plan(config, axis, flat.shape[0], num_ranks=num_ranks,
                            state_dtype=None if state is None else config.state_dtype,
                            rescale=rescale)
-    # The rescaling factor comes from x itself (before the apply step), on every path, so that
-    # the fused call needs no fp32 copy of x' in XLA: x' differs from x by the small correction,
-    # far inside the headroom the factor leaves (P * max |x| * factor < 2^15, half of fp16's
-    # largest value).
+    # The rescaling factor (rescale=True) comes from x itself (before the apply step), on every
+    # path, so that the fused call needs no fp32 copy of x' in XLA: x' differs from x by the
+    # small correction, far inside the headroom the factor leaves (P * max |x| * factor < 2^15).
     # With the rotation it aims sqrt(g) lower (a rotated value is at most sqrt(g) max |x|) and
     # multiplies x before the rotation.
     factor = None if rescale is False else rescale_factor(
@@ -642,24 +626,19 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = _DEFAULT_CONFIG, stat
       state: None (uncompensated), or a `CompensatorState` (a pytree of them mirroring x, with
         None at the leaves that take none: bool / integer leaves always, any float leaf to
         leave it uncompensated) from `init_state(x)` or from the previous site.
-      rescale: multiply by a shared power of two before quantizing and divide after (Sec. 5.4),
-        so that the fp16 group scales neither underflow nor overflow (the factor is exact, and
-        an operand of the custom call, so the fused compensated path stays fused). "auto"
-        (default): scales up where the group-wide max |x| is below AUTO_RESCALE_BELOW = 2^-6,
-        down where it is `auto_rescale_above(P)` = 2^15 / P (rounded down to a power of two:
-        8192 at P = 4) or more, and not at all in between (the bits of False). No finite
-        input then makes a group NaN, up to fp32's largest value (a sum beyond it is inf, as
-        psum's). The price of one shared factor: a group whose values are more than about 2^24
-        times smaller than the largest |x| of the call (at P = 4; 2^23 at P = 8) loses
-        precision gradually (fp16 subnormal scales), and one about 2^38 times smaller comes
-        back as zeros, where rescale=False would have made the largest group NaN. True:
-        always, to max |x| in [256, 512) (lower where P > 64). False: never (values below
-        about 1e-5 lose precision silently, below 1e-12 all of it; a group whose range, in x
-        or in the sum of the P contributions, passes 65504 * (2^bits - 1), about 9.8e5 at 4
-        bits and 1.7e7 at 8, or a constant group above 65504, comes back NaN: the fp16 group
-        scale overflows). "auto" and True cost one read of x (its max) and one scalar pmax a
-        call. With `config.rotation="hadamard"` the factor aims
-        2^ceil(log2(g) / 2) lower (the rotation can raise a value by up to sqrt(g)).
+      rescale: "auto" (default) and False: no rescaling. The wire format's group scales are
+        bf16 (fp32's exponent range), so every finite contribution quantizes to finite values
+        as it is: a group comes back NaN only where its max |x|, in x or in the sum of the P
+        contributions, reaches 2^126 (about 8.5e37; fp32 psum overflows at 3.4e38), and a
+        group's step is at least 2^-100, so values below about 2^-97 come back within about
+        P * 2^-101 of their exact sum (half a step per quantization they pass through).
+        True: multiply by a shared power of two before quantizing and divide after (the Echo
+        paper Sec. 5.4), so that the call's max |x| lands in [256, 512) (lower where P > 64);
+        it costs one read of x (its max) and one scalar pmax a call, and changes the bits only
+        where a group meets the scale's floor or the 2^126 limit (the factor is exact, and an
+        operand of the custom call, so the fused compensated path stays fused). With
+        `config.rotation="hadamard"` the factor aims 2^ceil(log2(g) / 2) lower (the rotation
+        can raise a value by up to sqrt(g)).
         NaN and +-inf: the 4-bit wire format has no code for them and a group holding one
         has no finite scale, so its g values of the sum are NaN on every rank (psum gives
         +-inf there where the other ranks' values are finite); the other groups are
@@ -739,6 +718,6 @@ def echo_psum(x, axis_name, *, config: EchoConfig | None = _DEFAULT_CONFIG, stat
 
 __all__ = ["echo_psum", "UnboundAxisError", "xla_allreduce", "segment_layout",
            "resolve_transport", "power_of_two_scale", "rescale_factor",
-           "rotation_headroom_log2", "auto_rescale_above",
-           "check_rescale", "xla_allreduce_scaled", "RESCALE_MODES", "AUTO_RESCALE_BELOW",
+           "rotation_headroom_log2", "rescale_ceiling",
+           "check_rescale", "xla_allreduce_scaled", "RESCALE_MODES",
            "RESCALE_TOP_LOG2", "FORCE_XLA_ENV"]

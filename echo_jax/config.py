@@ -28,7 +28,7 @@ class EchoConfig:
 
     Args:
       bits: bits per value on the wire, 4 or 8.
-      group_size: values per quantization group g (one fp16 scale, plus an fp16 zero-point for the
+      group_size: values per quantization group g (one bf16 scale, plus an fp16 zero-point for the
         asymmetric policies). Must be even at 4 bits, since two codes share a byte.
       policy: "asym" (zero-aware asymmetric, the Echo paper Sec. 4.3), "sym" (Eq. 8) or
         "asym_naive" (Eq. 9 with the zero-point left where the group minimum puts it; ablation).
@@ -48,9 +48,9 @@ class EchoConfig:
         of each group of g values before quantizing, undone after the sum. It spreads an
         outlier channel over its whole group, so the group's scale no longer follows the
         outlier. The wire format and cost are unchanged; needs a power-of-two group_size.
-        The CPU custom call rotates inside the call (a compensated call stays fused) where
-        echo_psum's rescale is False; elsewhere (the "xla" transport, rescaling, a custom call
-        that does not rotate) the rotation is plain JAX around the transport and the
+        The custom calls rotate inside the call (CPU: every power-of-two g; CUDA: g <= 1024),
+        rescaled or not, and a compensated call stays fused; elsewhere (the "xla" transport, a
+        custom call that does not rotate) the rotation is plain JAX around the transport and the
         compensator's steps run in JAX around it. Same bits either way; the compensator state
         stays in the original basis.
       state_dtype: storage dtype of the compensator state (m1, m2): "float32" (default) or
@@ -73,7 +73,7 @@ class EchoConfig:
         fed back too.
 
     Properties:
-      wire_bits_per_element: bits sent per value by one quantized copy, codes plus the fp16
+      wire_bits_per_element: bits sent per value by one quantized copy, codes plus the 16-bit
         parameters of its group spread over the group (4.25 at 4 bits, g = 128, asym).
     """
 
@@ -136,9 +136,9 @@ class EchoConfig:
 
     @property
     def wire_bits_per_element(self) -> float:
-        """Wire bits per value: bits + 16 * (fp16 parameters per group) / group_size.
+        """Wire bits per value: bits + 16 * (16-bit parameters per group) / group_size.
 
-        One fp16 scale per group for "sym", a scale and a zero-point for "asym" and
+        One bf16 scale per group for "sym", a bf16 scale and an fp16 zero-point for "asym" and
         "asym_naive" (`echo_jax.policies`); the rotation adds nothing to the wire.
         """
         return _policies.wire_bits_per_element(self.bits, self.group_size, self.policy)

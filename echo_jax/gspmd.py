@@ -600,7 +600,7 @@ def collective_ops(hlo_text: str) -> list:
       group; for an Echo call its num_ranks; 0 where not read) and wire_bytes (an estimate of
       the bytes one rank sends: a ring all-reduce 2 (G-1)/G x bytes, an all-gather or
       all-to-all (G-1)/G x bytes, a reduce-scatter (G-1) x bytes, a permute its bytes; an Echo
-      call its push and gather, 2 (P-1) segments of quantized codes with their fp16 group
+      call its push and gather, 2 (P-1) segments of quantized codes with their 16-bit group
       parameters, the Echo paper Sec. 4.1 and 4.3).
     """
     sizes = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,

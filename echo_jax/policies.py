@@ -17,9 +17,10 @@ name           code  params  label  meaning
 =============  ====  ======  =====  ==========================================================
 
 Wire cost (`wire_bits_per_element`, the Echo paper Sec. 4): one quantized copy of a value
-costs its b-bit code plus the fp16 parameters of its group spread over the group's g values,
-b + 16 * params / g bits (4.25 at 4 bits, g = 128, asym). Padding to whole groups is not
-counted. `EchoConfig.wire_bits_per_element` and `calibration.site_wire_bits` call it.
+costs its b-bit code plus the 16-bit parameters of its group (a bf16 scale, and for asym an
+fp16 zero-point) spread over the group's g values, b + 16 * params / g bits (4.25 at 4 bits,
+g = 128, asym). Padding to whole groups is not counted. `EchoConfig.wire_bits_per_element` and
+`calibration.site_wire_bits` call it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class Policy(NamedTuple):
     Attributes:
       name: the value of `EchoConfig.policy`.
       code: the integer attribute "policy" of the custom calls (C++ enum `echo::Policy`).
-      num_params: fp16 parameters per group (scale; plus the zero-point for asym policies).
+      num_params: 16-bit parameters per group (the bf16 scale; plus the fp16 zero-point for
+        asym policies).
       label: the suffix of a site-config name (`calibration.site_config_label`, "-sym").
     """
 
@@ -81,7 +83,8 @@ def get(policy: str) -> Policy:
 
 
 def num_params(policy: str) -> int:
-    """fp16 parameters per group: 1 for sym (scale), 2 for asym (scale, zero-point)."""
+    """16-bit parameters per group: 1 for sym (bf16 scale), 2 for asym (bf16 scale, fp16
+    zero-point)."""
     return get(policy).num_params
 
 
@@ -96,7 +99,7 @@ def wire_bits_per_element(bits: int, group_size: int, policy: str) -> float:
     Args:
       bits: code bits b (4 or 8).
       group_size: values per group g.
-      policy: a policy name (its fp16 parameter count).
+      policy: a policy name (its 16-bit parameter count).
 
     Returns:
       The cost in bits per element, padding not counted (4.25 at 4 bits, g = 128, asym).
@@ -105,7 +108,7 @@ def wire_bits_per_element(bits: int, group_size: int, policy: str) -> float:
 
 
 def wire_bytes_per_group(group_size: int, bits: int, policy: str) -> int:
-    """Bytes on the wire per group: g * b / 8 of codes plus 2 per fp16 parameter.
+    """Bytes on the wire per group: g * b / 8 of codes plus 2 per 16-bit parameter.
 
     Args:
       group_size: values per group g.

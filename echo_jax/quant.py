@@ -2,20 +2,28 @@ r"""The Echo group quantizer: the one definition of the wire format (pure JAX re
 
 Every implementation (this file, the CPU handler and the CUDA kernels of the custom call) follows
 the formulas below bit for bit. All arithmetic is IEEE fp32 with round-to-nearest-even; ``f16(v)``
-is the fp32 -> fp16 conversion with round-to-nearest-even, ``f16_up(v)`` (for v >= 0) is ``f16(v)``
-moved one fp16 step up when it came out below v, ``rne`` rounds to the nearest integer with ties to
-even, ``1/s`` is the correctly rounded fp32 reciprocal (a 65536-entry table over fp16 s here).
+is the fp32 -> fp16 conversion with round-to-nearest-even, ``bf16(v)`` the fp32 -> bf16 one,
+``bf16_up(v)`` (for v >= 0) the smallest bf16 >= v, ``rne`` rounds to the nearest integer with ties
+to even, ``1/s`` is the correctly rounded fp32 reciprocal, taken as 0 when |s| is below fp32's
+normal range (a 65536-entry table over the bf16 patterns of s here).
 
 Layout
 ------
 A group is g consecutive values x_0 .. x_{g-1}. Its codes are unsigned b-bit integers; at 4 bits two
 codes share a byte, code 2k in the low nibble and code 2k+1 in the high nibble; at 8 bits one code is
-one byte. Its parameters are fp16: a scale s (all policies) and a zero-point z (asymmetric policies
-only). Wire bytes per group: g*b/8 + 2 (sym) or g*b/8 + 4 (asym): 68 bytes per 128 values at 4 bits.
+one byte. Its parameters are two 16-bit words: a scale s in bf16 (all policies) and a zero-point z
+in fp16 (asymmetric policies only). Wire bytes per group: g*b/8 + 2 (sym) or g*b/8 + 4 (asym): 68
+bytes per 128 values at 4 bits.
+
+Why these two formats: the scale carries the group's magnitude, so it takes bf16's 8-bit exponent
+(fp32's range: no input needs rescaling to fit it); the zero-point counts steps (|z| <= 1024, see
+below), so it takes fp16's 11-bit significand, which holds it to a quarter step. The scale is
+rounded up, so bf16's shorter significand only makes the step up to 2^-7 coarser, never clips.
 
 Dequantization (all policies)
 -----------------------------
-    m = -(z * s)                  (exact in fp32: both factors are fp16)
+    m = -(z * s)                  (exact in fp32: z has 11 significant bits, s 8, and |z * s| is
+                                   0 or at least 2^-124, a normal number)
     x_hat = code * s + m          (code * s is exact, so a fused multiply-add gives the same bits)
 
 For sym, z is not sent: it is the constant 2^(b-1).
@@ -23,17 +31,17 @@ For sym, z is not sent: it is the constant 2^(b-1).
 Quantization, sym (Eq. 8 of the Echo paper)
 -------------------------------------------
     Q = 2^(b-1) - 1,  amax = max_k |x_k|
-    s = f16(amax)                 if every x_k is equal   (a constant group is exact when x_0 is an fp16 value)
-    s = f16_up(amax * f32(1/Q))   otherwise               (rounded up: no value lands outside +-Q)
-    r = 1/s (0 when s == 0)
+    s = bf16(amax)                           if every x_k is equal (exact when x_0 is a bf16 value)
+    s = bf16_up(max(amax * f32(1/Q), 2^-100)) otherwise   (rounded up: no value lands outside +-Q)
+    r = 1/s
     code_k = clip(rne(x_k * r), -Q, Q) + 2^(b-1)          (code 0, i.e. -2^(b-1), is never used)
 
 Quantization, asym and asym_naive (Eq. 9 and the zero-aware policy of Sec. 4.3)
 -------------------------------------------------------------------------------
     lo = min_k x_k, hi = max_k x_k, amax = max(|lo|, |hi|), M = 2^b - 1
-    constant group (lo == hi):  s = f16(lo) (signed), z = -1, every code 0   -> x_hat = s exactly
+    constant group (lo == hi):  s = bf16(lo) (signed), z = -1, every code 0   -> x_hat = s exactly
     otherwise:
-      s  = f16_up(max((hi - lo) * f32(1/M), amax * 2^-10))
+      s  = bf16_up(max((hi - lo) * f32(1/M), amax * 2^-10, 2^-100))
       r  = 1/s
       zn = -lo * r                             naive zero-point: the grid starts at the minimum
       z  = f16(rne(zn))   for "asym" when lo < 0 < hi (the group straddles zero)
@@ -50,23 +58,26 @@ to 0. There 0 <= zn <= M (as -lo <= hi - lo <= M * s), so z is an integer in [0,
 and encoding x = 0 gives rne(z * s * r) = z. A group on one side of zero (lo >= 0 or hi <= 0,
 signed zeros compare equal to 0) keeps the naive map and spends the whole grid on its values.
 No blend is needed for continuity: as lo rises to 0 the naive zn falls to 0 = rne(zn), so the two
-maps meet at lo = 0; as hi falls to 0, zn = -lo * r is within the fp16 rounding of s below M
-(zn >= M / (1 + 2^-10) for a normal fp16 scale), so the integer zero-point moves the grid by at
-most M * 2^-10 steps (0.015 at 4 bits, 0.25 at 8). Inside the straddle, rne(zn) steps by whole codes, as any map with an exact zero must.
+maps meet at lo = 0; as hi falls to 0, zn = -lo * r is within the bf16 rounding of s below M
+(zn >= M / (1 + 2^-7) for a scale set by the range), so the integer zero-point moves the grid by
+at most M * 2^-7 steps (0.12 at 4 bits, 2 at 8). Inside the straddle, rne(zn) steps by whole
+codes, as any map with an exact zero must.
 The floor ``amax * 2^-10`` on the scale keeps |z| <= 1024, where fp16 holds the naive zero-point to
 a quarter step; it is only active for groups whose range is tiny next to their magnitude (never in
-a straddling group, whose range is at least amax).
+a straddling group, whose range is at least amax). The floor 2^-100 keeps every scale and every
+m = -(z * s) a normal fp32 number, so no step depends on how a backend treats subnormals.
 
-Non-finite data and fp16 range
-------------------------------
-A group with any NaN or +-inf, or whose scale or zero-point does not fit fp16 (|x| above about
-65504 * Q for sym), is sent as s = NaN, z = 0, codes 0 and dequantizes to NaN in every position:
-never silent finite garbage. Scales below fp16's normal range are kept as fp16 subnormals (rounded
-up, so still no clipping); the backward pass of `echo_jax.tp` rescales gradients by a power of two
-(the Echo paper Sec. 5.4) so that they do not get there, and `echo_psum`'s default
-``rescale="auto"`` does the same for any contribution whose max |x| is below 2^-6, and scales a
-contribution down by a power of two once its max |x| reaches ``collective.auto_rescale_above(P)``
-(8192 at P = 4), so that no finite input overflows the fp16 scales.
+Non-finite data and range
+-------------------------
+A group with any NaN or +-inf, or with max |x| >= 2^126 (about 8.5e37), is sent as s = NaN (bf16
+0x7FC0), z = 0, codes 0 and dequantizes to NaN in every position: never silent finite garbage.
+Below that bound every scale, zero-point and decoded value is finite, for any finite group: no
+input needs rescaling to fit the format (`echo_psum`'s ``rescale`` is off by default for that
+reason). A sum over the ranks that reaches 2^126 comes back NaN in its group, where fp32 psum
+would be near its own overflow. Tiny magnitudes: the step is never below 2^-100, so a group with
+max |x| below about 2^-97 comes back within 2^-101 of itself; a constant group comes back as its
+value rounded to the nearest bf16 at any magnitude (its reciprocal is 0 below 2^-126, where
+1 / s would overflow, and every code is 0 either way).
 
 Error bounds (finite groups): |x_hat - x| <= s/2 for every policy, plus the fp32 rounding of
 (x - m) * r. Inside the grid this is rounding to the nearest code. At the ends, the grid
@@ -102,7 +113,7 @@ def code_bytes(group_size: int, bits: int) -> int:
 
 
 def wire_bytes_per_group(group_size: int, bits: int, policy: str) -> int:
-    """Bytes on the wire per group: codes plus fp16 parameters (68 for g=128, 4-bit asym)."""
+    """Bytes on the wire per group: codes plus 16-bit parameters (68 for g=128, 4-bit asym)."""
     return _policies.wire_bytes_per_group(group_size, bits, policy)
 
 
@@ -164,27 +175,79 @@ def f16_from_bits(b):
     return lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
 
 
-def f16_round_up(v):
-    """fp32 v >= 0 -> the fp32 value of the smallest fp16 >= v (NaN kept, overflow gives inf)."""
-    h = f16_round(v)
-    up = f16_from_bits(f16_bits(h).astype(jnp.uint32) + np.uint32(1))
-    return jnp.where(h < v, up, h)
+def bf16_round(v):
+    """fp32 -> the fp32 value of the nearest bf16 (ties to even; overflow gives inf).
+
+    On the bits, like `f16_round` (for finite and infinite v; a NaN may come out as a different
+    NaN, and the quantizer never keeps one).
+    """
+    bits = lax.bitcast_convert_type(jnp.asarray(v, jnp.float32), jnp.uint32)
+    odd = (bits >> 16) & np.uint32(1)
+    out = (bits + np.uint32(0x7FFF) + odd) & np.uint32(0xFFFF0000)
+    return lax.bitcast_convert_type(out, jnp.float32)
+
+
+def bf16_round_up(v):
+    """fp32 v >= 0 -> the fp32 value of the smallest bf16 >= v (overflow gives inf).
+
+    On the bits: a positive fp32 pattern with any of its 16 low bits set moves up to the next
+    multiple of 2^16 (a carry into the exponent is the next binade, or inf past the largest bf16).
+    """
+    bits = lax.bitcast_convert_type(jnp.asarray(v, jnp.float32), jnp.uint32)
+    out = (bits + np.uint32(0xFFFF)) & np.uint32(0xFFFF0000)
+    return lax.bitcast_convert_type(out, jnp.float32)
+
+
+def bf16_bits(h):
+    """fp32 values that are bf16 numbers -> their uint16 bit patterns (the top half)."""
+    bits = lax.bitcast_convert_type(jnp.asarray(h, jnp.float32), jnp.uint32)
+    return (bits >> 16).astype(jnp.uint16)
+
+
+def bf16_from_bits(b):
+    """uint16 bf16 bit patterns -> fp32 values (exact)."""
+    return lax.bitcast_convert_type(b.astype(jnp.uint32) << 16, jnp.float32)
+
+
+#: The smallest normal fp32 number: a scale below it has no finite reciprocal in general, and
+#: `_reciprocal` takes 0 there.
+NORMAL_MIN = float(np.finfo(np.float32).tiny)  # 2^-126
+#: The smallest scale of a group that is not constant (quant.py's docstring: every scale and
+#: every m = -(z * s) stays a normal fp32 number).
+SCALE_FLOOR = 2.0 ** -100
+#: Groups with max |x| at or above this are sent as NaN (every scale, zero-point and decoded
+#: value of a group below it is finite).
+RANGE_LIMIT = 2.0 ** 126
 
 
 @functools.lru_cache(maxsize=None)
 def _reciprocal_table() -> np.ndarray:
-    """Correctly rounded fp32 1/s for every fp16 bit pattern s (0 for s = +-0)."""
-    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    """Correctly rounded fp32 1/s for every bf16 bit pattern s (0 where |s| < 2^-126)."""
+    h = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         r = np.float32(1) / h  # IEEE division on the host: correctly rounded
-    r[h == 0] = 0
+    r[np.abs(h) < np.float32(NORMAL_MIN)] = 0
     return r
 
 
 def _reciprocal(s32):
     # A table lookup rather than `1 / s`: XLA's GPU division is not always correctly rounded,
-    # and s is always an fp16 value, so 65536 entries cover every case exactly.
-    return jnp.asarray(_reciprocal_table())[f16_bits(s32).astype(jnp.int32)]
+    # and s is always a bf16 value, so 65536 entries cover every case exactly.
+    return jnp.asarray(_reciprocal_table())[bf16_bits(s32).astype(jnp.int32)]
+
+
+#: The wire parameters of a non-finite group: scale bf16 NaN, zero-point 0.
+NAN_SCALE_BITS = 0x7FC0
+
+
+def group_scales(params):
+    """The fp32 scale of each group from `quantize_groups`' params [..., G, 1|2] -> [..., G, 1]."""
+    return bf16_from_bits(params[..., 0:1])
+
+
+def group_zero_points(params):
+    """The fp32 zero-point of each asym group from params [..., G, 2] -> [..., G, 1]."""
+    return f16_from_bits(params[..., 1:2])
 
 
 def pack_codes(codes, bits: int):
@@ -217,8 +280,9 @@ def quantize_groups(x, bits: int, policy: str):
       policy: "asym", "sym" or "asym_naive".
 
     Returns:
-      (packed, params): packed uint8 [..., G, g*bits/8]; params fp16 [..., G, 1] for sym
-      (scale) or [..., G, 2] for asym (scale, zero-point).
+      (packed, params): packed uint8 [..., G, g*bits/8]; params uint16 [..., G, 1] for sym (the
+      bf16 bits of the scale) or [..., G, 2] for asym (the scale's bf16 bits, the zero-point's
+      fp16 bits): the wire's words. `group_scales` / `group_zero_points` read them as fp32.
     """
     _check_bits(bits)
     _check_policy(policy)
@@ -229,17 +293,20 @@ def quantize_groups(x, bits: int, policy: str):
     hi = jnp.max(xs, axis=-1, keepdims=True)
     amax = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
     constant = lo == hi
+    ok = finite & (amax < np.float32(RANGE_LIMIT))
+    floor = np.float32(SCALE_FLOOR)
     if policy == "sym":
         qmax = 2 ** (bits - 1) - 1
-        s = jnp.where(constant, f16_round(amax), f16_round_up(amax * np.float32(1.0 / qmax)))
+        s = jnp.where(constant, bf16_round(amax),
+                      bf16_round_up(jnp.maximum(amax * np.float32(1.0 / qmax), floor)))
         r = _reciprocal(s)
         q = jnp.clip(jnp.round(xs * r), -qmax, qmax) + (qmax + 1)
-        ok = finite & jnp.isfinite(s)
-        params = jnp.where(ok, f16_bits(s), np.uint16(0x7E00))
+        params = jnp.where(ok, bf16_bits(s), np.uint16(NAN_SCALE_BITS))
     else:
         levels = 2 ** bits - 1
-        s_raw = jnp.maximum((hi - lo) * np.float32(1.0 / levels), amax * np.float32(2.0 ** -10))
-        s = jnp.where(constant, f16_round(lo), f16_round_up(s_raw))
+        s_raw = jnp.maximum(jnp.maximum((hi - lo) * np.float32(1.0 / levels),
+                                        amax * np.float32(2.0 ** -10)), floor)
+        s = jnp.where(constant, bf16_round(lo), bf16_round_up(s_raw))
         r = _reciprocal(s)
         zn = -lo * r
         if policy == "asym":  # zero-aware: an integer zero-point whenever lo < 0 < hi
@@ -249,11 +316,10 @@ def quantize_groups(x, bits: int, policy: str):
         zf = jnp.where(constant, np.float32(-1), f16_round(z))
         m = -(zf * s)
         q = jnp.clip(jnp.round((xs - m) * r), 0, levels)
-        ok = finite & jnp.isfinite(s) & jnp.isfinite(zf)
-        params = jnp.concatenate([jnp.where(ok, f16_bits(s), np.uint16(0x7E00)),
+        params = jnp.concatenate([jnp.where(ok, bf16_bits(s), np.uint16(NAN_SCALE_BITS)),
                                   jnp.where(ok, f16_bits(zf), np.uint16(0))], axis=-1)
     codes = jnp.where(ok, q, 0).astype(jnp.uint8)
-    return pack_codes(codes, bits), lax.bitcast_convert_type(params, jnp.float16)
+    return pack_codes(codes, bits), params
 
 
 def dequantize_groups(packed, params, bits: int, policy: str):
@@ -261,11 +327,11 @@ def dequantize_groups(packed, params, bits: int, policy: str):
     _check_bits(bits)
     _check_policy(policy)
     codes = unpack_codes(packed, bits).astype(jnp.float32)
-    s = params[..., 0:1].astype(jnp.float32)  # widening: exact
+    s = group_scales(params)  # widening: exact
     if policy == "sym":
         z = jnp.float32(2 ** (bits - 1))
     else:
-        z = params[..., 1:2].astype(jnp.float32)
+        z = group_zero_points(params)
     m = -(z * s)
     return codes * s + m
 
@@ -284,6 +350,7 @@ def quantize_dequantize(x, bits: int, group_size: int, policy: str):
 
 
 __all__ = [
-    "POLICIES", "num_params", "code_bytes", "wire_bytes_per_group", "f16_round", "f16_round_up",
-    "pack_codes", "unpack_codes", "quantize_groups", "dequantize_groups", "quantize_dequantize",
+    "POLICIES", "num_params", "code_bytes", "wire_bytes_per_group", "f16_round", "bf16_round",
+    "bf16_round_up", "group_scales", "group_zero_points", "NAN_SCALE_BITS", "SCALE_FLOOR",
+    "RANGE_LIMIT", "pack_codes", "unpack_codes", "quantize_groups", "dequantize_groups", "quantize_dequantize",
 ]

@@ -11,8 +11,10 @@ A Megatron block is  x -> backward_site -> column-parallel matmul -> ... -> row-
   state pytree through the sites in the forward pass (the site returns it unchanged), and the
   backward pass carries the live state as the *cotangent* of that pytree, in backward order. The
   cotangent arriving at the last site is zero, so the backward state starts from zeros. The
-  cotangent is rescaled by a shared power of two (one scalar pmax) around the all-reduce, so small
-  gradients do not underflow the fp16 scales; the compensator runs outside the scaling.
+  cotangent is rescaled by a shared power of two (one scalar pmax) around the all-reduce, the Echo
+  paper's Sec. 5.4 scaling (its max |x| into [256, 512)): exact, and the bits of the unscaled call
+  except for groups at the wire format's 2^-100 scale floor or 2^126 limit (echo_jax.quant); the
+  compensator runs outside the scaling.
 
 `config` selects the mode of a site: an `EchoConfig`, or None for the exact 16-bit baseline
 (plain `lax.psum`) through the same code path. A tuple of them with a traced `choice` index

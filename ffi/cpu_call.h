@@ -44,7 +44,7 @@ struct CallConfig {
   int64_t seg_groups;   // groups per segment (Gs)
   int64_t seg_elems;    // Gs * g
   int64_t code_bytes;   // bytes of codes per group
-  size_t params_bytes;  // bytes of fp16 parameters per segment (slot prefix)
+  size_t params_bytes;  // bytes of 16-bit group parameters per segment (slot prefix)
   size_t slot_bytes;    // params_bytes + Gs * code_bytes
   int64_t site;
   int64_t timeout_ms;

@@ -200,7 +200,7 @@ inline uint8_t* SlotCodes(const CallConfig& cfg, uint8_t* slot) {
 }
 
 // Quantizes segment `seg` of this rank's contribution into a slot laid out as
-// [Gs * nparams fp16 parameters][Gs * g*bits/8 code bytes].
+// [Gs * nparams 16-bit parameters (bf16 scale, fp16 zero-point)][Gs * g*bits/8 code bytes].
 void QuantizeSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t* slot,
                      std::vector<float>& buf) {
   const int g = cfg.group_size;

@@ -15,7 +15,7 @@
 //     F16C, on the CUDA half intrinsics or on the denormal mode of the FPU.
 //   * rne() rounds half to even (jnp.round): std::nearbyint on the host (XLA runs its CPU thunks
 //     with the default round-to-nearest mode), rintf on the device.
-//   * The reciprocal is the correctly rounded 1/s (0 when s == 0), computed once per group.
+//   * The reciprocal is the correctly rounded 1/s (0 when |s| < 2^-126), computed once per group.
 #ifndef ECHO_JAX_FFI_ECHO_COMMON_H_
 #define ECHO_JAX_FFI_ECHO_COMMON_H_
 
@@ -63,9 +63,12 @@ inline std::string format_error(int64_t bits, int64_t group_size, int64_t policy
   return "";
 }
 
-// fp16 bit patterns used by the wire format.
-constexpr uint16_t kF16NaN = 0x7E00;       // jnp.float16(jnp.nan): the scale of a non-finite group
-constexpr uint16_t kF16MinusOne = 0xBC00;  // -1.0: the zero-point of a constant asym group
+// 16-bit patterns and limits of the wire format (quant.py: a bf16 scale, an fp16 zero-point).
+constexpr uint16_t kScaleNaN = 0x7FC0;     // bf16 NaN (quant.NAN_SCALE_BITS): a non-finite group
+constexpr uint16_t kF16MinusOne = 0xBC00;  // fp16 -1.0: the zero-point of a constant asym group
+constexpr float kScaleFloor = 7.8886090522101181e-31f;  // 2^-100 (quant.SCALE_FLOOR), exact
+constexpr float kRangeLimit = 8.5070591730234616e37f;   // 2^126 (quant.RANGE_LIMIT), exact
+constexpr float kNormalMin = 1.1754943508222875e-38f;   // 2^-126, fp32's smallest normal
 
 // ----------------------------------------------------------------------------------------------
 // Bit casts and IEEE fp32 operations without contraction.
@@ -148,9 +151,10 @@ ECHO_HD float max_f(float a, float b) {
 }
 ECHO_HD float clip_f(float v, float lo, float hi) { return min_f(max_f(v, lo), hi); }
 
-// 1/s, correctly rounded, and 0 when s == 0 (quant._reciprocal).
+// 1/s, correctly rounded, and 0 when |s| < 2^-126 (quant._reciprocal): a scale below fp32's
+// normal range (only a constant group's) would have an infinite reciprocal.
 ECHO_HD float reciprocal(float s) {
-  if (s == 0.0f) return 0.0f;
+  if (!(s >= kNormalMin || s <= -kNormalMin)) return s != s ? s : 0.0f;  // NaN stays NaN
 #if defined(__CUDA_ARCH__)
   return __frcp_rn(s);
 #else
@@ -218,19 +222,6 @@ ECHO_HD float f16_to_f32(uint16_t h) {
 
 ECHO_HD bool f16_is_finite(uint16_t h) { return (h & 0x7C00u) != 0x7C00u; }
 
-// jnp.nextafter(h, +inf) on an fp16 bit pattern that is not NaN or +inf.
-ECHO_HD uint16_t f16_next_up(uint16_t h) {
-  if (h == 0x8000u) return 0x0001u;           // -0 -> smallest positive subnormal
-  if (h & 0x8000u) return static_cast<uint16_t>(h - 1u);  // negative: magnitude shrinks
-  return static_cast<uint16_t>(h + 1u);       // positive (0x7BFF -> 0x7C00 = +inf)
-}
-
-// quant.f16_round_up: for v >= 0 the smallest fp16 >= v (NaN stays NaN, overflow gives inf).
-ECHO_HD uint16_t f16_round_up(float v) {
-  const uint16_t h = f32_to_f16(v);
-  return f16_to_f32(h) < v ? f16_next_up(h) : h;  // false for NaN: stays NaN
-}
-
 // ----------------------------------------------------------------------------------------------
 // bf16 <-> fp32 in software (the 16-bit contributions of the custom call).
 // ----------------------------------------------------------------------------------------------
@@ -253,6 +244,18 @@ ECHO_HD uint16_t f32_to_bf16(float f) {
 
 // bf16 -> fp32 (exact: bf16 is the top half of an fp32).
 ECHO_HD float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
+
+// quant.bf16_round_up: for v >= 0 (not NaN) the smallest bf16 >= v (overflow gives inf). A
+// pattern with any of its 16 low bits set moves up to the next multiple of 2^16.
+ECHO_HD uint16_t bf16_round_up(float v) {
+  return static_cast<uint16_t>((f32_bits(v) + 0xFFFFu) >> 16);
+}
+
+// quant.bf16_round for a non-NaN v: round to nearest even on the bits (overflow gives inf).
+ECHO_HD uint16_t bf16_round(float v) {
+  const uint32_t x = f32_bits(v);
+  return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
 
 // ----------------------------------------------------------------------------------------------
 // Group quantizer (quant.quantize_groups / quant.dequantize_groups).
@@ -281,42 +284,45 @@ ECHO_HD void stats_add(GroupStats& st, float v, bool first) {
   }
 }
 
-// Everything the encoder needs for one group, plus the fp16 parameters that go on the wire.
+// Everything the encoder needs for one group, plus the 16-bit parameters that go on the wire.
 struct QuantParams {
   float s;        // fp32 value of the stored scale
-  float r;        // 1/s (0 when s == 0)
+  float r;        // 1/s (0 when |s| < 2^-126)
   float m;        // asym: -(z * s); sym: unused
-  uint16_t s16;   // wire scale (kF16NaN for a non-finite group)
+  uint16_t s16;   // wire scale, bf16 bits (kScaleNaN for a non-finite group)
   uint16_t z16;   // wire zero-point (asym only; 0 for a non-finite group)
   bool ok;        // false: non-finite group, every code is 0 and it dequantizes to NaN
 };
 
 // The per-group parameters of quant.quantize_groups, from the group's statistics.
 ECHO_HD QuantParams make_params(const GroupStats& st, int bits, int policy) {
-  QuantParams p{0.0f, 0.0f, 0.0f, kF16NaN, 0, false};
+  QuantParams p{0.0f, 0.0f, 0.0f, kScaleNaN, 0, false};
   if (!st.finite) return p;  // the reference zeroes the group, then replaces the parameters
   const float lo = st.lo;
   const float hi = st.hi;
   const float amax = max_f(abs_f(lo), abs_f(hi));
+  if (!(amax < kRangeLimit)) return p;  // |x| >= 2^126: sent as NaN like a non-finite group
   const bool constant = lo == hi;
   if (policy == kPolicySym) {
     const int qmax = (1 << (bits - 1)) - 1;
     // f32(1/Q): the Python constant np.float32(1.0 / qmax), rounded once from double.
     const float inv_q = static_cast<float>(1.0 / static_cast<double>(qmax));
-    const uint16_t s16 = constant ? f32_to_f16(amax) : f16_round_up(mul_rn(amax, inv_q));
-    p.s = f16_to_f32(s16);
+    const uint16_t s16 = constant ? bf16_round(amax)
+                                  : bf16_round_up(max_f(mul_rn(amax, inv_q), kScaleFloor));
+    p.s = bf16_to_f32(s16);
     p.r = reciprocal(p.s);
-    p.ok = is_finite(p.s);
-    p.s16 = p.ok ? s16 : kF16NaN;
+    p.ok = true;
+    p.s16 = s16;
     p.z16 = 0;
     return p;
   }
   const int levels = (1 << bits) - 1;
   const float inv_m = static_cast<float>(1.0 / static_cast<double>(levels));
   const float floor_scale = 0.0009765625f;  // 2^-10, exact
-  const float s_raw = max_f(mul_rn(sub_rn(hi, lo), inv_m), mul_rn(amax, floor_scale));
-  const uint16_t s16 = constant ? f32_to_f16(lo) : f16_round_up(s_raw);
-  const float s = f16_to_f32(s16);
+  const float s_raw = max_f(max_f(mul_rn(sub_rn(hi, lo), inv_m), mul_rn(amax, floor_scale)),
+                            kScaleFloor);
+  const uint16_t s16 = constant ? bf16_round(lo) : bf16_round_up(s_raw);
+  const float s = bf16_to_f32(s16);
   const float r = reciprocal(s);
   const float zn = mul_rn(-lo, r);  // naive zero-point: the grid starts at the minimum
   // Zero-aware policy (quant.py docstring): every group that straddles zero gets an integer
@@ -328,10 +334,10 @@ ECHO_HD QuantParams make_params(const GroupStats& st, int bits, int policy) {
   const float zf = f16_to_f32(z16);
   p.s = s;
   p.r = r;
-  p.m = -mul_rn(zf, s);  // exact: both factors are fp16 values
-  p.ok = is_finite(s) && is_finite(zf);
-  p.s16 = p.ok ? s16 : kF16NaN;
-  p.z16 = p.ok ? z16 : uint16_t{0};
+  p.m = -mul_rn(zf, s);  // exact: 11 x 8 significant bits, 0 or at least 2^-124
+  p.ok = true;           // amax < 2^126: s, z and m are finite
+  p.s16 = s16;
+  p.z16 = z16;
   return p;
 }
 
@@ -355,14 +361,14 @@ struct DequantParams {
 };
 
 ECHO_HD DequantParams dequant_params(const uint16_t* params, int bits, int policy) {
-  const float s = f16_to_f32(params[0]);
+  const float s = bf16_to_f32(params[0]);
   const float z = policy == kPolicySym ? static_cast<float>(1 << (bits - 1))
                                        : f16_to_f32(params[1]);
   return DequantParams{s, -mul_rn(z, s)};
 }
 
 ECHO_HD float decode_value(uint8_t code, const DequantParams& d) {
-  // code * s is exact (at most 8 x 11 significant bits), so this equals the fused form too.
+  // code * s is exact (at most 8 x 8 significant bits), so this equals the fused form too.
   return add_rn(mul_rn(static_cast<float>(code), d.s), d.m);
 }
 
@@ -373,8 +379,8 @@ ECHO_HD uint8_t unpack_code(const uint8_t* packed, int k, int bits) {
   return (k & 1) ? static_cast<uint8_t>(byte >> 4) : static_cast<uint8_t>(byte & 0x0F);
 }
 
-// Quantizes one group of g fp32 values into packed codes (g*bits/8 bytes) and its fp16
-// parameters (1 for sym, 2 for asym), exactly like quant.quantize_groups.
+// Quantizes one group of g fp32 values into packed codes (g*bits/8 bytes) and its 16-bit
+// parameters (bf16 scale; fp16 zero-point for asym), exactly like quant.quantize_groups.
 ECHO_HD void quantize_group(const float* x, int g, int bits, int policy, uint8_t* packed,
                             uint16_t* params) {
   GroupStats st = stats_init();

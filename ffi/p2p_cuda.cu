@@ -2,8 +2,9 @@
 //
 // One fused kernel per rank and call runs the four stages of the protocol over tiles of the
 // segments, so the quantization of one tile overlaps the NVLink writes of others:
-//   push    quantize tile t of segment j (j != me) and write codes + fp16 parameters straight into
-//           owner j's receive slot for this rank, then raise j's push flag (me, t) to `base`;
+//   push    quantize tile t of segment j (j != me) and write codes + 16-bit parameters (bf16
+//           scale, fp16 zero-point) straight into owner j's receive slot for this rank, then
+//           raise j's push flag (me, t) to `base`;
 //   reduce  wait until every peer's push flag (r, t) reached `base`, add the P-1 dequantized copies
 //           and the own full-precision tile in fp32 in rank order 0..P-1, quantize the sum once;
 //   gather  write that code into every rank's gather slot for this owner, raise each peer's gather

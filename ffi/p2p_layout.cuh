@@ -84,7 +84,7 @@ struct KernelArgs {
   int64_t tile0;       // first segment tile of this chunk
   int chunk_tiles;     // tiles of each segment in this chunk
   int64_t slot_bytes;  // bytes of one receive slot
-  int64_t params_offset;  // offset of the fp16 parameters inside a slot
+  int64_t params_offset;  // offset of the 16-bit group parameters inside a slot
   uint64_t base;       // flag base of this call (raised by 3 per call)
   uint64_t timeout_ns;
   int* error;          // host-mapped error word of this rank

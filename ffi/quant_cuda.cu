@@ -31,9 +31,10 @@
 //     (KEY_STATS) give the same bits at five instructions a value instead of two.
 //   * Parameters and codes: make_params_fast / encode_fast (quant_fast.cuh) are make_params /
 //     encode_value of echo_common.h in the same order of rounded operations (__fmul_rn,
-//     __fadd_rn, __fsub_rn, __frcp_rn), with hardware fp16 conversions (cvt.rn / cvt.rp, equal
-//     to the software ones on every input they can get) and an fp32 clamp + an addition of
-//     1.5 * 2^23 for rne + clip (round_code: no int <-> float conversion). Lane 0 of a group
+//     __fadd_rn, __fsub_rn, __frcp_rn), with the bf16 scale rounded on its bits (as the
+//     software path), the fp16 zero-point through the hardware conversion cvt.rn (equal to the
+//     software one on every input it can get) and an fp32 clamp + an addition of 1.5 * 2^23 for
+//     rne + clip (round_code: no int <-> float conversion). Lane 0 of a group
 //     stores its parameters (one 4-byte store for asym); each load's kVec codes are stored as
 //     one 2-, 4- or 8-byte word (kVec * bits / 8 bytes).
 // Fast dequantize (dequantize_fast_kernel<BITS, POLICY>): g a power of two >= 4, y 16-byte
@@ -42,8 +43,9 @@
 // values; chunk c of lane l at 4 * (32 c + l), one 16-byte store each), loading each chunk's
 // codes (2 or 4 bytes) and its group's parameters (group = i >> log2 g: g enters only as a shift,
 // so it need not be a template constant) before decoding any of them. decode_value as in
-// echo_common.h (code * s, then + m, both rounded), with the hardware fp16 -> fp32 conversion
-// and the code's fp32 value from 2^23 + code (decode_fast: no int -> float conversion).
+// echo_common.h (code * s, then + m, both rounded), with the bf16 scale widened by a shift, the
+// hardware fp16 -> fp32 conversion of the zero-point and the code's fp32 value from 2^23 + code
+// (decode_fast: no int -> float conversion).
 // Generic kernels (quantize_kernel / dequantize_kernel, one warp per group, bits / policy / g at
 // run time): every other g, unaligned buffers, and whenever ECHO_JAX_GENERIC_QUANT=1 is set (read
 // once per process; for comparisons).
@@ -225,7 +227,7 @@ __global__ void __launch_bounds__(kQuantThreads)
 // ---- generic kernels -----------------------------------------------------------------------
 
 // One warp per group, bits / policy / g at run time (the fallback of the fast kernels).
-// x [G*g] (T) -> packed [G, g*bits/8] (u8), params [G, np] (u16 holding fp16 bits).
+// x [G*g] (T) -> packed [G, g*bits/8] (u8), params [G, np] (u16: bf16 scale, fp16 zero-point).
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kQuantThreads)
     quantize_kernel(const T* x, int64_t groups, int g, int bits, int policy, uint8_t* packed,
@@ -496,7 +498,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                               .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
                               .Arg<ffi::AnyBuffer>()         // x: [G * g] values (f32/bf16/f16)
                               .Ret<ffi::Buffer<ffi::U8>>()   // packed codes [G, g*bits/8]
-                              .Ret<ffi::Buffer<ffi::U16>>()  // fp16 parameters as bits [G, 1|2]
+                              .Ret<ffi::Buffer<ffi::U16>>()  // params bits [G, 1|2]
                           ));
 
 static ffi::Error EchoDequantizeCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed,
@@ -517,6 +519,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     echo::BindFormatAttrs(ffi::Ffi::Bind()
                               .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
                               .Arg<ffi::Buffer<ffi::U8>>()   // packed codes [G, g*bits/8]
-                              .Arg<ffi::Buffer<ffi::U16>>()  // fp16 parameters as bits [G, 1|2]
+                              .Arg<ffi::Buffer<ffi::U16>>()  // params bits [G, 1|2]
                               .Ret<ffi::Buffer<ffi::F32>>()  // y: [G * g] fp32
                           ));

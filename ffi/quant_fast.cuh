@@ -9,13 +9,12 @@
 //     a NaN or an infinity lies outside the keys of the finite numbers, so a group is finite iff
 //     the smallest and largest key of the group are inside that range: one test per group
 //     instead of a flag per value.
-//   * fp32 -> fp16 uses the hardware conversions: cvt.rn.f16.f32 (round to nearest even, fp16
-//     subnormals, overflow to inf: IEEE 754, what f32_to_f16 implements in software) and
-//     cvt.rp.f16.f32 (round toward +inf: the smallest fp16 >= v, inf above 65504, what
-//     f16_round_up implements for v >= 0). Neither is ever given a NaN on a path whose result is
-//     kept: lo and hi are finite in a finite group, so every converted value is finite or +-inf
-//     (see make_params_fast). No .ftz: fp32 subnormal inputs are converted exactly. fp16 -> fp32
-//     is cvt.f32.f16 (exact).
+//   * The bf16 scale is rounded on its bits (bf16_round_up / bf16_round of echo_common.h: two
+//     integer instructions) and widened by a shift. The fp16 zero-point uses the hardware
+//     conversion cvt.rn.f16.f32 (round to nearest even, fp16 subnormals, overflow to inf: IEEE
+//     754, what f32_to_f16 implements in software), never given a NaN on a path whose result is
+//     kept (see make_params_fast). No .ftz: fp32 subnormal inputs are converted exactly. fp16 ->
+//     fp32 is cvt.f32.f16 (exact).
 //   * rne + clip + cast of a code, and the code's fp32 value when it is decoded, are fp32
 //     additions around 2^23 (round_code, code_to_f32 below), not conversions: cvt between int
 //     and float runs at a quarter of the fp32 add rate, and every value of an all-reduce is
@@ -69,17 +68,6 @@ ECHO_HD uint16_t f16_rn(float f) {
   return h;
 #else
   return f32_to_f16(f);
-#endif
-}
-
-// fp32 -> fp16 bits, round toward +inf (f16_round_up for every non-NaN v >= 0).
-ECHO_HD uint16_t f16_ru(float f) {
-#if defined(__CUDA_ARCH__)
-  unsigned short h;
-  asm("cvt.rp.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
-#else
-  return f16_round_up(f);
 #endif
 }
 
@@ -182,10 +170,10 @@ ECHO_HD constexpr bool has_fast_policy(int policy) {
 
 // What the encoder of one group needs, and the group's parameters as they go on the wire.
 struct FastParams {
-  float r;        // 1/s (0 when s == 0)
+  float r;        // 1/s (0 when |s| < 2^-126)
   float m;        // asym: -(z * s); sym: 0 (unused)
   uint32_t wire;  // s16 (sym) or s16 | z16 << 16 (asym): params[2g], params[2g+1] little-endian
-  bool ok;        // false: non-finite group; every code is 0, wire is (0x7E00, 0)
+  bool ok;        // false: non-finite group or |x| >= 2^126; every code is 0, wire (0x7FC0, 0)
 };
 
 // make_params of echo_common.h, step for step, for a group with statistics lo, hi (the values
@@ -199,35 +187,39 @@ ECHO_HD FastParams make_params_fast(float lo, float hi, bool finite) {
   // (equal values are the same bit pattern).
   const float amax = fmaxf(abs_f(lo), abs_f(hi));
   const bool constant = lo == hi;  // +0 == -0, as in the reference
+  // A finite group below 2^126 has finite s, z and m (quant.py); amax is not NaN when finite.
+  const bool ok = finite && amax < kRangeLimit;
   if constexpr (POLICY == kPolicySym) {
     constexpr int qmax = (1 << (BITS - 1)) - 1;
     constexpr float inv_q = static_cast<float>(1.0 / static_cast<double>(qmax));
-    // amax * inv_q >= +0 (or +inf): f16_ru equals f16_round_up there.
-    const uint16_t s16 = constant ? f16_rn(amax) : f16_ru(mul_rn(amax, inv_q));
-    const float s = f16_f32(s16);
+    // amax * inv_q >= +0 and kScaleFloor > 0, so fmaxf equals max_f.
+    const uint16_t s16 = constant ? bf16_round(amax)
+                                  : bf16_round_up(fmaxf(mul_rn(amax, inv_q), kScaleFloor));
+    const float s = bf16_to_f32(s16);
     p.r = reciprocal(s);
     p.m = 0.0f;
-    p.ok = finite && is_finite(s);
-    p.wire = p.ok ? uint32_t{s16} : uint32_t{kF16NaN};
+    p.ok = ok;
+    p.wire = ok ? uint32_t{s16} : uint32_t{kScaleNaN};
   } else {
     constexpr int levels = (1 << BITS) - 1;
     constexpr float inv_m = static_cast<float>(1.0 / static_cast<double>(levels));
     constexpr float floor_scale = 0.0009765625f;  // 2^-10, exact
-    // Both operands are >= +0 and never -0 (hi - lo >= +0 for lo <= hi; x - x is +0), so fmaxf
-    // equals max_f; the result is >= +0 (or +inf), where f16_ru equals f16_round_up.
-    const float s_raw = fmaxf(mul_rn(sub_rn(hi, lo), inv_m), mul_rn(amax, floor_scale));
-    const uint16_t s16 = constant ? f16_rn(lo) : f16_ru(s_raw);
-    const float s = f16_f32(s16);
+    // Every operand is >= +0 and never -0 (hi - lo >= +0 for lo <= hi; x - x is +0), so fmaxf
+    // equals max_f; the result is >= 2^-100 (or +inf in a group that is not ok).
+    const float s_raw =
+        fmaxf(fmaxf(mul_rn(sub_rn(hi, lo), inv_m), mul_rn(amax, floor_scale)), kScaleFloor);
+    const uint16_t s16 = constant ? bf16_round(lo) : bf16_round_up(s_raw);
+    const float s = bf16_to_f32(s16);
     const float r = reciprocal(s);
-    const float zn = mul_rn(-lo, r);  // finite: lo and r are finite (r = 0 when s is 0 or inf)
+    const float zn = mul_rn(-lo, r);  // finite in an ok group: |zn| <= 1024 (r = 0: zn = 0)
     const bool straddles = lo < 0.0f && hi > 0.0f;
     const float z = (POLICY == kPolicyAsym && straddles) ? rne(zn) : zn;
     const uint16_t z16 = constant ? kF16MinusOne : f16_rn(z);
     const float zf = f16_f32(z16);
     p.r = r;
-    p.m = -mul_rn(zf, s);  // exact: both factors are fp16 values
-    p.ok = finite && is_finite(s) && is_finite(zf);
-    p.wire = p.ok ? (uint32_t{s16} | (uint32_t{z16} << 16)) : uint32_t{kF16NaN};
+    p.m = -mul_rn(zf, s);  // exact: 11 x 8 significant bits, 0 or at least 2^-124
+    p.ok = ok;
+    p.wire = ok ? (uint32_t{s16} | (uint32_t{z16} << 16)) : uint32_t{kScaleNaN};
   }
   return p;
 }
@@ -250,7 +242,7 @@ ECHO_HD uint32_t encode_fast(float x, const FastParams& p) {
 // dequant_params of echo_common.h from the wire word of quantize (s16 | z16 << 16 for asym).
 template <int BITS, int POLICY>
 ECHO_HD DequantParams dequant_params_fast(uint32_t wire) {
-  const float s = f16_f32(static_cast<uint16_t>(wire & 0xFFFFu));
+  const float s = f32_from_bits(wire << 16);  // the bf16 scale in the low half: exact
   const float z = POLICY == kPolicySym ? static_cast<float>(1 << (BITS - 1))
                                        : f16_f32(static_cast<uint16_t>(wire >> 16));
   return DequantParams{s, -mul_rn(z, s)};

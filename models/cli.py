@@ -131,7 +131,7 @@ def add_comm_args(parser: argparse.ArgumentParser, default_bits: int = 16) -> No
                    help="run the first half of the layers at 8 bits and the rest at --bits "
                         "(the early-site policy of the Echo paper Sec. 7.2)")
     g.add_argument("--group-size", type=int, default=128, metavar="G",
-                   help="values per quantization group (one fp16 scale [+ zero-point] each). "
+                   help="values per quantization group (one bf16 scale [+ fp16 zero-point] each). "
                         "Default 128.")
     g.add_argument("--eta", type=float, default=0.75,
                    help="compensator gain eta in [0, 1] (0 = no compensation). Default 0.75.")

@@ -15,8 +15,8 @@ simulation) with the all-reduces of ``--bits``.
 
 The JSON holds the perplexity, the number of scored tokens, the mean negative log-likelihood
 (nats/token), the wire cost ``wire_bits_per_element`` (average bits per element over the 2 L
-forward all-reduce sites: codes plus the fp16 scale / zero-point per group, padding included; 16
-for exact; ``wire_bits_nominal`` without padding) and, with
+forward all-reduce sites: codes plus the bf16 scale / fp16 zero-point per group, padding included;
+16 for exact; ``wire_bits_nominal`` without padding) and, with
 ``--reference-bits``, the reference run's perplexity and the greedy agreement: the fraction of
 positions whose argmax next token equals the reference model's.
 """
@@ -109,7 +109,7 @@ def padded_site_wire_bits(config, n: int, tp: int) -> float:
     included (`echo_jax.site_wire_bits` is the same without padding).
 
     n is padded to P segments of whole groups; a group of g values costs g * b / 8 bytes of codes
-    plus 2 (sym) or 4 (asym) bytes of fp16 scale / zero-point (echo_jax.quant.
+    plus 2 (sym) or 4 (asym) bytes of bf16 scale / fp16 zero-point (echo_jax.quant.
     wire_bytes_per_group); a rotation adds nothing. Exact (None) sites count 16.
     """
     if config is None:

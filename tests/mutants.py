@@ -74,9 +74,43 @@ def mutate(module, name, *edits, owner=None):
 def _doubled_scale():
     from echo_jax import quant
     mutate(quant, "quantize_groups",
-           ("f16_round_up(s_raw)", "f16_round_up(2 * s_raw)"),
-           ("f16_round_up(amax * np.float32(1.0 / qmax))",
-            "f16_round_up(2 * amax * np.float32(1.0 / qmax))"))
+           ("bf16_round_up(s_raw)", "bf16_round_up(2 * s_raw)"),
+           ("bf16_round_up(jnp.maximum(amax * np.float32(1.0 / qmax), floor))",
+            "bf16_round_up(2 * jnp.maximum(amax * np.float32(1.0 / qmax), floor))"))
+
+
+def _scale_rounded_down():
+    from echo_jax import quant
+    mutate(quant, "bf16_round_up",
+           ("out = (bits + np.uint32(0xFFFF)) & np.uint32(0xFFFF0000)",
+            "out = bits & np.uint32(0xFFFF0000)"))
+
+
+def _scale_rounded_to_nearest():
+    from echo_jax import quant
+    mutate(quant, "quantize_groups",
+           ("bf16_round_up(s_raw)", "bf16_round(s_raw)"),
+           ("bf16_round_up(jnp.maximum(amax * np.float32(1.0 / qmax), floor))",
+            "bf16_round(jnp.maximum(amax * np.float32(1.0 / qmax), floor))"))
+
+
+def _range_limit_inclusive():
+    from echo_jax import quant
+    mutate(quant, "quantize_groups",
+           ("ok = finite & (amax < np.float32(RANGE_LIMIT))",
+            "ok = finite & (amax <= np.float32(RANGE_LIMIT))"))
+
+
+def _range_limit_dropped():
+    from echo_jax import quant
+    mutate(quant, "quantize_groups", ("ok = finite & (amax < np.float32(RANGE_LIMIT))",
+                                      "ok = finite"))
+
+
+def _scale_floor_raised():
+    from echo_jax import quant
+    mutate(quant, "quantize_groups",
+           ("floor = np.float32(SCALE_FLOOR)", "floor = np.float32(2.0 ** -90)"))
 
 
 def _naive_zero_point():
@@ -219,16 +253,11 @@ def _weak_only_for_python_floats():
             "weak = isinstance(x, float)"))
 
 
-def _auto_lower_edge_inclusive():
+def _auto_rescales():
     from echo_jax import collective
-    mutate(collective, "rescale_factor",
-           ("amax < jnp.float32(AUTO_RESCALE_BELOW)", "amax <= jnp.float32(AUTO_RESCALE_BELOW)"))
-
-
-def _auto_upper_edge_exclusive():
-    from echo_jax import collective
-    mutate(collective, "rescale_factor",
-           ("amax >= jnp.float32(2.0 ** top)", "amax > jnp.float32(2.0 ** top)"))
+    mutate(collective, "check_rescale",
+           ('if isinstance(rescale, str) and rescale == "auto":\n        return False',
+            'if isinstance(rescale, str) and rescale == "auto":\n        return True'))
 
 
 def _rescale_top_ignores_ranks():
@@ -241,7 +270,7 @@ def _rescale_top_ignores_ranks():
 def _rescale_clamp_narrow():
     from echo_jax import collective
     mutate(collective, "rescale_factor",
-           ("k = jnp.clip(k, -126, 120)", "k = jnp.clip(k, -20, 20)"))
+           ("- e, -126, 120)", "- e, -20, 20)"))
 
 
 def _no_axes_ignores_return_state():
@@ -391,6 +420,7 @@ C = "tests/echo_jax/test_collective.py::"
 Q = "tests/echo_jax/test_quant.py::"
 G = "tests/echo_jax/test_mutation_gaps.py::"
 PC = "tests/echo_jax/test_psum_contract.py::"
+QS = "tests/echo_jax/test_quant_scale.py::"
 MUTANTS = {
     # (what it breaks, apply, killers: every one must fail)
     "doubled_scale": (
@@ -407,6 +437,37 @@ MUTANTS = {
         _naive_zero_point,
         [Q + "test_zero_aware_outlier_group_keeps_zero_and_near_zero_values[1.0-4]",
          C + "test_outlier_token_error_bound_zero_aware"]),
+    "scale_rounded_down": (
+        "the group scale is rounded down to bf16 (truncated), not up: values leave the grid",
+        _scale_rounded_down,
+        [Q + "test_bf16_round_up_is_the_next_bf16_at_or_above",
+         QS + "test_scale_is_never_below_the_equation[sym]",
+         QS + "test_scale_is_never_below_the_equation[asym]"]),
+    "scale_rounded_to_nearest": (
+        "the quantizer rounds the group scale to the nearest bf16, not up",
+        _scale_rounded_to_nearest,
+        [QS + "test_scale_is_never_below_the_equation[sym]",
+         QS + "test_scale_is_never_below_the_equation[asym]",
+         Q + "test_any_finite_magnitude_below_the_range_limit_stays_finite[asym-4]"]),
+    "range_limit_inclusive": (
+        "a group with max |x| exactly 2^126 is quantized (documented: NaN from 2^126 on)",
+        _range_limit_inclusive,
+        [Q + "test_any_finite_magnitude_below_the_range_limit_stays_finite[asym-4]",
+         PC + "test_constant_groups_are_exact_up_to_the_range_limit"]),
+    "range_limit_dropped": (
+        "groups at or past 2^126 are quantized as finite groups, not sent as NaN",
+        _range_limit_dropped,
+        [Q + "test_any_finite_magnitude_below_the_range_limit_stays_finite[sym-8]",
+         PC + "test_no_group_turns_nan_below_the_range_limit",
+         C + "test_rescale_handles_tiny_and_huge_magnitudes",
+         "tests/echo_jax/test_faults.py::"
+         "test_rescale_modes_differ_only_at_the_format_limits[xla]"]),
+    "scale_floor_raised": (
+        "the scale floor of a non-constant group is 2^-90 instead of 2^-100",
+        _scale_floor_raised,
+        [Q + "test_tiny_magnitudes_use_the_scale_floor[asym]",
+         "tests/echo_jax/test_faults.py::"
+         "test_default_keeps_tiny_and_huge_contributions[float32-False-xla]"]),
     "own_segment_quantized": (
         "the owner adds its own segment quantized instead of in full precision",
         _own_segment_quantized,
@@ -475,22 +536,20 @@ MUTANTS = {
         "only a Python float keeps its weak type; weak arrays come back strongly typed",
         _weak_only_for_python_floats,
         [PC + "test_weak_types_beyond_python_literals"]),
-    "auto_lower_edge_inclusive": (
-        "rescale='auto' scales up a max |x| of exactly 2^-6 (documented: below it only)",
-        _auto_lower_edge_inclusive,
-        [PC + "test_auto_rescale_thresholds_are_where_documented[xla]"]),
-    "auto_upper_edge_exclusive": (
-        "rescale='auto' leaves a max |x| of exactly auto_rescale_above(P) unscaled",
-        _auto_upper_edge_exclusive,
-        [PC + "test_auto_rescale_thresholds_are_where_documented[xla]"]),
+    "auto_rescales": (
+        "rescale='auto' (the default) rescales, as True does (documented: no rescaling)",
+        _auto_rescales,
+        [C + "test_hlo_of_the_custom_call_has_no_collective_of_x",
+         "tests/echo_jax/test_faults.py::test_compensated_call_stays_fused_with_every_rescale"
+         "[auto]"]),
     "rescale_top_ignores_ranks": (
         "the rescaling's bound leaves out the reduce stage's P copies (2^15, not 2^15 / P)",
         _rescale_top_ignores_ranks,
-        [PC + "test_auto_rescale_constant_groups_at_the_thresholds_are_exact"]),
+        [PC + "test_rescale_factor_is_the_documented_power_of_two"]),
     "rescale_clamp_narrow": (
         "the rescaling's exponent is clamped to [-20, 20] instead of fp32's normal range",
         _rescale_clamp_narrow,
-        [PC + "test_gspmd_site_backward_is_power_of_two_equivariant[column]"]),
+        [PC + "test_rescale_factor_is_the_documented_power_of_two"]),
     "no_axes_ignores_return_state": (
         "echo_psum over no axes returns x alone even with a state or return_state=True",
         _no_axes_ignores_return_state,

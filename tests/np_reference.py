@@ -1,31 +1,34 @@
 """Independent NumPy float64 references for the quantizer's claims (never the code under test).
 
 The tests bound what `echo_jax.quant` and the transports return by quantities computed here from
-the data alone: the largest scale the Echo paper's Eq. 8 / Eq. 9 allow once rounded up to fp16,
+the data alone: the largest scale the Echo paper's Eq. 8 / Eq. 9 allow once rounded up to bf16,
 and the per-element error of one quantization under the zero-aware policy (Sec. 4.3).
 """
 
 import numpy as np
 
-#: Slack for the fp32 rounding of (hi - lo) * f32(1/M) before the fp16 round-up: it can push the
-#: scale at most one fp16 step (relative 2^-10) above the float64 value rounded up.
-FP16_STEP = 2.0 ** -10
+#: Slack for the fp32 rounding of (hi - lo) * f32(1/M) before the bf16 round-up: it can push the
+#: scale at most one bf16 step (relative 2^-7) above the float64 value rounded up.
+BF16_STEP = 2.0 ** -7
+
+#: The smallest scale of a group that is not constant (the wire format's floor, quant.py).
+SCALE_FLOOR = 2.0 ** -100
 
 
-def f16_round_up64(v):
-    """float64 v >= 0 -> the smallest fp16 value >= v (as float64)."""
+def bf16_round_up64(v):
+    """float64 v >= 0 -> the smallest bf16 value >= v (as float64): 8 significant bits."""
     v = np.asarray(v, np.float64)
-    h = v.astype(np.float16).astype(np.float64)
-    up = np.nextafter(h.astype(np.float16), np.float16(np.inf)).astype(np.float64)
-    return np.where(h < v, up, h)
+    m, e = np.frexp(v)                       # v = m * 2^e, m in [0.5, 1)
+    return np.ldexp(np.ceil(m * 256.0) / 256.0, e)
 
 
 def max_scale(groups, bits, policy):
-    """Upper bound on the fp16 scale of each group [..., g] -> [...] (float64).
+    """Upper bound on the bf16 scale of each group [..., g] -> [...] (float64).
 
     Eq. 9 (asym, asym_naive): s = (hi - lo) / (2^b - 1), floored at amax * 2^-10 (quant.py's
-    docstring); Eq. 8 (sym): s = amax / (2^(b-1) - 1); both rounded up to fp16. A constant group
-    uses s = |x| (its value). The slack of one fp16 step covers fp32 rounding before the round-up.
+    docstring); Eq. 8 (sym): s = amax / (2^(b-1) - 1); both floored at 2^-100 and rounded up to
+    bf16. A constant group uses s = |x| (its value, rounded to the nearest bf16). The slack of one
+    bf16 step covers fp32 rounding before the round-up.
     """
     x = np.asarray(groups, np.float64)
     lo, hi = x.min(-1), x.max(-1)
@@ -34,8 +37,9 @@ def max_scale(groups, bits, policy):
         s = amax / (2 ** (bits - 1) - 1)
     else:
         s = np.maximum((hi - lo) / (2 ** bits - 1), amax * 2.0 ** -10)
+    s = np.maximum(s, SCALE_FLOOR)
     s = np.where(lo == hi, amax, s)
-    return f16_round_up64(s) * (1 + FP16_STEP)
+    return bf16_round_up64(s) * (1 + BF16_STEP)
 
 
 def straddles(groups):
@@ -94,6 +98,6 @@ def allreduce_error_bound(x, bits, group_size, policy):
     amax = np.abs(exact).max(-1) + push
     rng = exact.max(-1) - exact.min(-1) + 2 * push
     s_sum = rng / (2 ** bits - 1) if policy != "sym" else amax / (2 ** (bits - 1) - 1)
-    s_sum = np.maximum(s_sum, amax * 2.0 ** -10) * (1 + 2 ** -9)
+    s_sum = np.maximum(np.maximum(s_sum, amax * 2.0 ** -10), SCALE_FLOOR) * (1 + 2 ** -6)
     bound = push + 0.5 * s_sum + 1e-6 * (1 + amax)
     return np.broadcast_to(bound[..., None], exact.shape).reshape(-1)[:n].reshape(x.shape[1:])

@@ -25,6 +25,7 @@ import warnings
 from typing import NamedTuple
 
 import jax
+import numpy as np
 from jax import lax
 
 from echo_jax.config import EchoConfig
@@ -311,8 +312,9 @@ class CallPlan:
     #: Where update "separate" runs: "kernel" (the transport's one-pass `update_separate`) or
     #: "jax" (`compensator.update_beside`); "none" otherwise.
     separate_update: str = "none"
-    #: echo_psum's rescale (False, True, "auto"): the factor is taken from x in JAX; it is an
-    #: operand of the transport's call, or applied in JAX around it with a JAX rotation.
+    #: echo_psum's rescale as `collective.check_rescale` resolves it (False, or True: the Echo
+    #: paper Sec. 5.4 factor, taken from x in JAX; it is an operand of the transport's call, or
+    #: applied in JAX around it with a JAX rotation).
     rescale: bool | str = False
     #: Why the plan is not the fastest one for this config, in the order decided: the custom
     #: call not running (the fallback's reason), the rotation or the compensation not fused.
@@ -371,7 +373,8 @@ def plan(config: EchoConfig, axis_name=None, num_elements=None, *, num_ranks=Non
       num_elements: elements of one rank's flat contribution, if known.
       num_ranks: the axis size, if known.
       state_dtype: None for an uncompensated call, else the compensator state's dtype name.
-      rescale: echo_psum's rescale (False, True, "auto").
+      rescale: echo_psum's rescale as `collective.check_rescale` resolves it (False: no
+        factor; True: the Sec. 5.4 factor).
       transport, where, honor_env: as `select`.
 
     Returns:
@@ -384,6 +387,19 @@ def plan(config: EchoConfig, axis_name=None, num_elements=None, *, num_ranks=Non
                                transport=transport, where=where, honor_env=honor_env)
     return plan_with(chosen, config, state_dtype=state_dtype, rescale=rescale,
                      fallback=fallback)
+
+
+def resolve_rescale(rescale, where="echo_psum"):
+    """echo_psum's rescale as True or False ("auto" is False: the wire format's bf16 group
+    scales span fp32's range, so no contribution needs rescaling to fit it), or a ValueError
+    that names the value."""
+    if rescale is True or rescale is False:
+        return rescale
+    if isinstance(rescale, str) and rescale == "auto":
+        return False
+    if isinstance(rescale, np.bool_):
+        return bool(rescale)
+    raise ValueError(f"{where}: rescale must be True, False or 'auto', got {rescale!r}")
 
 
 def plan_with(transport: base.Transport, config: EchoConfig, *, state_dtype=None,
@@ -409,6 +425,7 @@ def plan_with(transport: base.Transport, config: EchoConfig, *, state_dtype=None
         separate = "kernel" if (transport.separate_update and state_dtype
                                 in fused_state_dtypes(transport)
                                 and state_dtype in base.WIDE_STATE_DTYPES) else "jax"
+    rescale = resolve_rescale(rescale, "transports.plan")
     return CallPlan(transport, call_config, rotation, compensation, update, separate, rescale,
                     reasons)
 

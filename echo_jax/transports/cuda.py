@@ -214,7 +214,9 @@ def _attrs(config: EchoConfig, num_ranks: int, state: bool, applied: bool = Fals
 
 
 def quantize(x, config: EchoConfig):
-    """Flat x (whole groups) -> (packed uint8 [G, g*b/8], params fp16 [G, 1|2]) on the GPU."""
+    """Flat x (whole groups) -> (packed uint8 [G, g*b/8], params uint16 [G, 1|2]) on the GPU,
+    as `echo_jax.quant.quantize_groups` returns them (the bf16 scale's and fp16 zero-point's
+    bits)."""
     register()
     g = config.group_size
     if x.size % g:
@@ -227,7 +229,7 @@ def quantize(x, config: EchoConfig):
          jax.ShapeDtypeStruct((groups, np_), jnp.uint16)))(
         jnp.ravel(x), bits=np.int64(config.bits), group_size=np.int64(g),
         policy=np.int64(POLICY_CODES[config.policy]))
-    return packed, jax.lax.bitcast_convert_type(params, jnp.float16)
+    return packed, params
 
 
 def dequantize(packed, params, config: EchoConfig):
@@ -236,7 +238,7 @@ def dequantize(packed, params, config: EchoConfig):
     g = config.group_size
     return jax.ffi.ffi_call(
         "echo_dequantize_cuda", jax.ShapeDtypeStruct((packed.shape[0] * g,), jnp.float32))(
-        packed, jax.lax.bitcast_convert_type(params, jnp.uint16), bits=np.int64(config.bits),
+        packed, jnp.asarray(params, jnp.uint16), bits=np.int64(config.bits),
         group_size=np.int64(g), policy=np.int64(POLICY_CODES[config.policy]))
 
 

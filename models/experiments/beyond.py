@@ -264,7 +264,7 @@ def _beyond_record(args, setup: Setup, rows: list, skipped: list) -> dict:
               "(cf. its early-site policy, Sec. 7.2), group size g (Sec. 4, Table 8) and rotation "
               "at about 4-bit wire cost", "created": utc_now(), "command": recorded_command(args),
               "meta": {**setup.meta, "wire_bits": "average over the 2 L forward sites of one "
-                       "pass of codes plus fp16 scale / zero-point bits per element (padding "
+                       "pass of codes plus bf16 scale / fp16 zero-point bits per element (padding "
                        "included; wire_bits_nominal without)",
                        "calibration_text": "the training split (no held-out work) unless "
                                            "--calib-text"},

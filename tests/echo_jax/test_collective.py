@@ -224,7 +224,7 @@ def test_hlo_of_the_custom_call_has_no_collective_of_x():
     if reason is not None and "shard_map" not in reason:
         pytest.skip(reason)
     mesh = make_mesh((4,), ("tp",))
-    for rescale in (False, "auto"):
+    for rescale in (False, "auto", True):
         f = jax.jit(jax.shard_map(functools.partial(ej.echo_psum, axis_name="tp",
                                                     config=ej.EchoConfig(transport="p2p"),
                                                     rescale=rescale),
@@ -233,10 +233,12 @@ def test_hlo_of_the_custom_call_has_no_collective_of_x():
         assert "custom-call" in hlo and "echo_allreduce_cpu" in hlo
         for op in ("all-to-all(", "all-gather("):
             assert op not in hlo
-        # The default's rescaling factor: one scalar pmax, never a collective of x.
+        # rescale=True's factor: one scalar pmax of max |x|, never a collective of x. The
+        # default ("auto") is rescale=False: no factor, so no max and no all-reduce at all.
         reduces = [ln for ln in hlo.splitlines() if "all-reduce(" in ln]
-        assert len(reduces) == (0 if rescale is False else 1), reduces
+        assert len(reduces) == (1 if rescale is True else 0), (rescale, reduces)
         assert all("f32[] " in ln for ln in reduces), reduces
+        assert ("maximum(" in hlo) == (rescale is True), rescale
 
 
 def test_jit_grad_scan_remat():
@@ -321,15 +323,36 @@ def test_straight_through_gradient_values(transport, mode):
 
 
 def test_rescale_handles_tiny_and_huge_magnitudes():
-    x = jax.random.normal(jax.random.key(7), (4, 512))
-    for scale in (1e-9, 1e-20, 1e7):
-        cfg = ej.EchoConfig(bits=8, transport="xla")
-        y = np.asarray(run_shard_map(x * scale, cfg, rescale=True))
-        exact = np.asarray(x).sum(0) * scale
-        np.testing.assert_allclose(y[0], exact, atol=0.03 * np.abs(exact).max())
-    # Without rescaling, 1e-20 underflows fp16 scales (zeros) and 1e7 overflows them (NaN).
-    y = np.asarray(run_shard_map(x * 1e7, ej.EchoConfig(bits=8, transport="xla")))
-    assert np.all(~np.isfinite(y))
+    """rescale=True (a shared power of two, max |x| into [256, 512)) keeps the sum within Eq. 1's
+    bound (taken at that magnitude, where its absolute slack is meant) at any magnitude: below
+    the wire format's 2^-100 scale floor (1e-32) and where a sum reaches its 2^126 limit. There
+    rescale=False loses the tiny values (each quantization keeps them within 2^-101 of
+    themselves, no closer) and makes the huge group NaN; at ordinary magnitudes (1e-20, 1e7) the
+    two give the same bits (the factor commutes with the quantizer)."""
+    cfg = ej.EchoConfig(bits=8, transport="xla")
+    x = np.asarray(jax.random.normal(jax.random.key(7), (4, 512)), np.float32)
+    x = x / np.abs(x).max()
+    huge = x * np.float32(2.0 ** 120)
+    huge[:, 5] = np.float32(1.5 * 2.0 ** 124)     # the sum of group 0 reaches 1.5 * 2^126
+
+    def scaled_bound(v):
+        f = 2.0 ** (9 - np.frexp(np.abs(v.astype(np.float64)).max())[1])
+        return error_bound(v * np.float32(f), cfg) / f
+
+    for xs in (x * np.float32(1e-32), x * np.float32(1e-20), x * np.float32(1e7), huge):
+        y = np.asarray(run_shard_map(jnp.asarray(xs), cfg, rescale=True), np.float64)
+        exact = xs.astype(np.float64).sum(0)
+        assert np.isfinite(y).all()
+        assert np.all(np.abs(y[0] - exact) <= scaled_bound(xs)), np.abs(xs).max()
+        unscaled = np.asarray(run_shard_map(jnp.asarray(xs), cfg))
+        if xs is huge:
+            assert np.isnan(unscaled[:, :128]).all() and np.isfinite(unscaled[:, 128:]).all()
+        elif np.abs(xs).max() < 2.0 ** -101:
+            err = np.abs(unscaled[0].astype(np.float64) - exact)
+            assert np.all(err <= 4 * 2.0 ** -101)
+            assert np.linalg.norm(y[0] - exact) < 0.1 * np.linalg.norm(err)
+        else:
+            np.testing.assert_array_equal(unscaled, y.astype(np.float32))
 
 
 def test_non_finite_input_poisons_only_its_groups():
@@ -447,7 +470,7 @@ def test_outlier_token_error_bound_zero_aware():
       push:   b1_k = sum_{i != o} e(x_{i,k})    (the owner's own copy is not quantized)
       reduce: b2_k = e(S_k) with |S_k| <= |y_k| + b1_k, S's range within y's range widened by b1
     where e(v) = min(s/2, |v|) in a group with lo < 0 < hi (zero is a grid point under the
-    zero-aware policy, Sec. 4.3) and s/2 otherwise, s <= Eq. 9's scale rounded up to fp16.
+    zero-aware policy, Sec. 4.3) and s/2 otherwise, s <= Eq. 9's scale rounded up to bf16.
     The naive zero-point sends the near-zero values of the outlier's group to about its minimum,
     which breaks the |v| part of the bound (error norm of token 0: ~215 before the fix, ~49 after).
     """

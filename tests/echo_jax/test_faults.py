@@ -17,6 +17,7 @@ from echo_jax.transports import explicit
 from echo_jax.transports import cpu
 from echo_jax.transports.base import TIMEOUT_ENV
 from conftest import make_mesh
+from np_reference import allreduce_error_bound
 
 TRANSPORTS = ("xla", "p2p")
 
@@ -239,7 +240,7 @@ def test_failing_rank_poisons_its_group(monkeypatch, stage, compensated):
     assert cpu.registry_stats()["pending_joins"] == 0
 
 
-# ---------------------------------------------------------------------------- underflow (item 4)
+# ------------------------------------------------------------------- magnitudes and rescaling
 
 def _psum_each(x, transport, rescale, compensated, dtype=jnp.float32, **kw):
     """echo_psum over 4 ranks of x [4, n]: (every rank's sum [4, n], m1 [4, n] or None)."""
@@ -261,79 +262,124 @@ def _bits(a):
     return a.view(f"u{a.dtype.itemsize}")
 
 
+def _scaled_bound(x):
+    """Eq. 1's bound (np_reference.allreduce_error_bound, 4-bit asym, g = 128) on |sum - exact|
+    for contributions x [P, n] of any magnitude: computed on x times the power of two that puts
+    max |x| in [256, 512) (exact) and scaled back, so that the bound's absolute slack is meant
+    for values of that size. Valid while no group's step meets the wire format's 2^-100 floor
+    (the format is scale invariant above it)."""
+    x = np.asarray(x, np.float32)
+    f = 2.0 ** (9 - np.frexp(np.abs(x.astype(np.float64)).max())[1])
+    return allreduce_error_bound(x * np.float32(f), 4, 128, "asym") / f
+
+
 @pytest.mark.grid("float32-False-xla", "bfloat16-True-p2p")
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("compensated", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_default_loses_nothing_to_the_fp16_scale_range(transport, compensated, dtype):
-    # Before: rescale=False was the default, and N(0, sigma^2) contributions lost everything at
-    # sigma = 1e-30 (exact zeros) and most at 1e-8 (relative error ~1), silently. The default
-    # ("auto") now scales up below max |x| = 2^-6: the sum of x * 2^k is the sum of x times 2^k,
-    # bit for bit, from 2^-100 up, and the relative error against a float64 sum stays the 4-bit
-    # one at any small magnitude (the p2p transport with a state is the fused call, with the
-    # factor as its operand). Large magnitudes are scaled down (from auto_rescale_above(P));
-    # without the rescaling their groups overflow loudly (NaN).
-    x = jax.random.normal(jax.random.key(3), (4, 1000), jnp.float32)
-    y1, m1 = _psum_each(x, transport, None, compensated, dtype)
-    for k in (-100, -27, -10, 8):
-        yk, mk = _psum_each(x * 2.0 ** k, transport, None, compensated, dtype)
+def test_default_keeps_tiny_and_huge_contributions(transport, compensated, dtype):
+    # echo_psum's default (rescale="auto": no rescaling) sends every finite contribution as it
+    # is: the group scales are bf16 (fp32's exponent range). N(0, 1) contributions times 1e-28
+    # (steps near 2^-94, above the 2^-100 floor) up to 1e30, and with each rank's max |x| just
+    # below 2^126 / P (one element 0.9 * 2^124 on every rank: a sum of 0.9 * 2^126, just below
+    # the 2^126 limit), come back finite, with rescale=False's bits, within Eq. 1's bound of
+    # the float64 sum (a zero state adds nothing) and at the 4-bit relative error. The sum of
+    # x * 2^k is the sum of x times 2^k, bit for bit, and so is the state: the unscaled call
+    # is power-of-two equivariant (bf16 rounding is scale invariant), so no rescaling is needed.
+    x = np.asarray(jax.random.normal(jax.random.key(3), (4, 1000)), np.float32)
+    y1, m1 = _psum_each(jnp.asarray(x), transport, None, compensated, dtype)
+    for k in (-60, 60):
+        yk, mk = _psum_each(jnp.asarray(x * np.float32(2.0 ** k)), transport, None, compensated,
+                            dtype)
         np.testing.assert_array_equal(_bits(yk), _bits((y1.astype(np.float64) * 2.0 ** k)
                                                        .astype(y1.dtype)), err_msg=f"2^{k}")
         if compensated:
             np.testing.assert_array_equal(mk, m1 * np.float32(2.0 ** k), err_msg=f"m1 2^{k}")
-    for scale in (1e-30, 1e-8, 1e-4, 1.0, 1e3, 1e7):
-        xs = (np.asarray(x, np.float64) * scale).astype(np.float32)
+    top = x / np.abs(x).max() * np.float32(0.9 * 2.0 ** 124)
+    top[:, 3] = np.float32(0.9 * 2.0 ** 124)
+    cases = [(x * np.float32(scale)).astype(np.float32) for scale in (1e-28, 1e-8, 1.0, 1e30)]
+    for xs in cases + [top]:
+        xs = np.asarray(jnp.asarray(xs).astype(dtype), np.float32)     # what the ranks send
         y, _ = _psum_each(jnp.asarray(xs), transport, None, compensated, dtype)
-        exact = np.asarray(jnp.asarray(xs).astype(dtype), np.float64).sum(0)
-        rel = np.linalg.norm(y[0].astype(np.float64) - exact) / np.linalg.norm(exact)
-        assert rel < 0.16, (scale, rel)  # 4-bit asym, g = 128, P = 4: 0.138 at scale 1
-    y, _ = _psum_each(x * 1e7, transport, False, compensated, dtype)
-    assert np.isnan(y).all()  # every group's fp16 scale overflows: NaN, never finite garbage
+        y_false, _ = _psum_each(jnp.asarray(xs), transport, False, compensated, dtype)
+        what = f"max |x| {np.abs(xs).max():.3g}"
+        np.testing.assert_array_equal(_bits(y), _bits(y_false), err_msg=what)
+        y = y.astype(np.float64)
+        assert np.isfinite(y).all(), what
+        exact = xs.astype(np.float64).sum(0)
+        # A bfloat16 sum is the fp32 sum rounded: half an ulp more, 2^-8 |y| at most.
+        slack = np.abs(y[0]) * 2.0 ** -8 if dtype == jnp.bfloat16 else 0.0
+        err = np.abs(y[0] - exact)
+        assert np.all(err <= _scaled_bound(xs) + slack), (what, float(err.max()))
+        rel = np.linalg.norm(y[0] - exact) / np.linalg.norm(exact)
+        assert rel < 0.16, (what, rel)  # 4-bit asym, g = 128, P = 4: 0.138 at scale 1
+    assert np.abs(top.astype(np.float64).sum(0)).max() > 0.89 * 2.0 ** 126
 
 
 @pytest.mark.grid("p2p")
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_auto_rescale_is_the_unscaled_call_from_its_threshold_up(transport):
-    # From AUTO_RESCALE_BELOW up to auto_rescale_above(P) the factor is 1: the default gives
-    # rescale=False's bits (the threshold itself included; just below it the call is rescaled).
-    # A huge value scales the whole contribution down: its group is finite, where rescale=False
-    # makes it NaN.
-    lo = ej.collective.AUTO_RESCALE_BELOW
+def test_rescale_modes_differ_only_at_the_format_limits(transport):
+    # rescale="auto" is rescale=False, bit for bit. rescale=True multiplies by a power of two
+    # (max |x| into [256, 512)) and divides after; that commutes with the quantizer, so it gives
+    # rescale=False's bits for ordinary data (max |x| from 2^-80 to 2^100, plain and
+    # compensated). The modes differ where a group meets the wire format's limits:
+    # - a sum reaching 2^126 (every rank sends 1.5 * 2^124 at one element, in range: a sum of
+    #   1.5 * 2^126): unscaled, its group of g values is NaN on every rank (never finite
+    #   garbage) and every other group is finite; True brings it into range: finite, within
+    #   Eq. 1's bound;
+    # - values below the 2^-100 scale floor (max |x| = 2^-105): unscaled, each of the P
+    #   quantizations a value meets (P - 1 pushed copies, the sum) keeps it within 2^-101 of
+    #   itself, so within P * 2^-101 of the float64 sum, their precision lost; True keeps it,
+    #   within Eq. 1's bound.
     x = np.asarray(jax.random.normal(jax.random.key(4), (4, 512)), np.float32)
     x = x / np.abs(x).max()
-    outlier = x.copy()
-    outlier[1, 7] = 3e38
-    hi = ej.collective.auto_rescale_above(4)
-    for xs in [x * np.float32(a) for a in (lo, 1.0, 300.0, 0.99 * hi)]:
-        xs = jnp.asarray(xs)
+    for a in (2.0 ** -80, 2.0 ** 100):
+        xs = jnp.asarray(x * np.float32(a))
         for compensated in (False, True):
-            a, _ = _psum_each(xs, transport, None, compensated)
-            b, _ = _psum_each(xs, transport, False, compensated)
-            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"max {np.abs(xs).max()}")
-    a, _ = _psum_each(jnp.asarray(outlier), transport, None, False)
-    b, _ = _psum_each(jnp.asarray(outlier), transport, False, False)
-    assert np.isfinite(a).all()
-    assert np.isnan(b[:, :128]).all() and np.isfinite(b[:, 128:]).all()
-    # Just below the range: rescaled (different bits from the unscaled call, more accurate).
-    xs = jnp.asarray(x * np.float32(lo * 0.75) * np.float32(2.0 ** -24))
-    a, _ = _psum_each(xs, transport, None, False)
-    b, _ = _psum_each(xs, transport, False, False)
-    exact = np.asarray(xs, np.float64).sum(0)
-    err = [np.linalg.norm(v[0].astype(np.float64) - exact) for v in (a, b)]
-    assert err[0] < 0.5 * err[1], err
+            auto, _ = _psum_each(xs, transport, "auto", compensated)
+            off, m_off = _psum_each(xs, transport, False, compensated)
+            on, m_on = _psum_each(xs, transport, True, compensated)
+            np.testing.assert_array_equal(_bits(auto), _bits(off), err_msg=f"auto, max {a}")
+            np.testing.assert_array_equal(_bits(on), _bits(off), err_msg=f"True, max {a}")
+            if compensated:
+                np.testing.assert_array_equal(_bits(m_on), _bits(m_off), err_msg=f"m1 {a}")
+    huge = x * np.float32(2.0 ** 120)
+    huge[:, 7] = np.float32(1.5 * 2.0 ** 124)                      # group 0 of the sum
+    for rescale in ("auto", False):
+        y, _ = _psum_each(jnp.asarray(huge), transport, rescale, False)
+        assert np.isnan(y[:, :128]).all() and np.isfinite(y[:, 128:]).all(), rescale
+    y, _ = _psum_each(jnp.asarray(huge), transport, True, False)
+    exact = huge.astype(np.float64).sum(0)
+    assert np.isfinite(y).all() and exact[7] >= 2.0 ** 126
+    assert np.all(np.abs(y[0] - exact) <= _scaled_bound(huge))
+    tiny = x * np.float32(2.0 ** -105)
+    exact = tiny.astype(np.float64).sum(0)
+    off, _ = _psum_each(jnp.asarray(tiny), transport, False, False)
+    on, _ = _psum_each(jnp.asarray(tiny), transport, True, False)
+    err_off, err_on = (np.abs(v[0].astype(np.float64) - exact) for v in (off, on))
+    assert np.all(err_off <= 4 * 2.0 ** -101)
+    assert np.all(err_on <= _scaled_bound(tiny))
+    assert np.linalg.norm(err_on) < 0.2 * np.linalg.norm(err_off), (err_on.max(), err_off.max())
 
 
-def test_rescaled_compensated_call_stays_fused():
-    # The factor is an operand of the fused call: rescale does not unfuse the compensator.
+@pytest.mark.grid("True", "auto")
+@pytest.mark.parametrize("rescale", [True, "auto", False])
+def test_compensated_call_stays_fused_with_every_rescale(rescale):
+    # rescale=True's factor is an operand of the fused call: the rescaling does not unfuse the
+    # compensator; its max |x| is one scalar pmax (an all-reduce of f32[]). "auto" and False
+    # take no factor: no all-reduce and no max in the program, only the fused call.
     cfg = ej.EchoConfig(transport="p2p")
-    for rescale in (True, "auto"):
-        f = shard_map_call(lambda v: ej.echo_psum(v[0], "tp", config=cfg,
-                                                  state=ej.init_state(v[0]),
-                                                  rescale=rescale)[0][None],
-                           out_specs=P("tp"))
-        hlo = f.lower(jnp.ones((4, 1024))).compile().as_text()
-        assert cpu.TARGET_COMPENSATED in hlo, rescale
-        assert re.search(r"all-reduce\(", hlo), "the factor's scalar pmax"
+    f = shard_map_call(lambda v: ej.echo_psum(v[0], "tp", config=cfg, state=ej.init_state(v[0]),
+                                              rescale=rescale)[0][None],
+                       out_specs=P("tp"))
+    hlo = f.lower(jnp.ones((4, 1024))).compile().as_text()
+    assert cpu.TARGET_COMPENSATED in hlo
+    reduces = [ln for ln in hlo.splitlines() if re.search(r"all-reduce\(", ln)]
+    if rescale is True:
+        assert len(reduces) == 1 and "f32[] " in reduces[0], reduces
+        assert "maximum(" in hlo
+    else:
+        assert not reduces and "maximum(" not in hlo, reduces
 
 
 @pytest.mark.parametrize("rescale", ["yes", 1, None, "AUTO"])

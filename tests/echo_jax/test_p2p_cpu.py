@@ -88,7 +88,13 @@ def edge_groups(g):
             np.linspace(-3, -2, g), np.linspace(-0.01, 1, g), np.linspace(-1, 0.02, g),
             np.linspace(0, 1e-6, g), np.linspace(-3e-8, 5e-8, g), np.linspace(6e4, 6.5e4, g),
             np.linspace(-1e9, 1e9, g), np.linspace(1000.0, 1000.001, g),
-            np.where(np.arange(g) % 2, 1.0, -0.0)]
+            np.where(np.arange(g) % 2, 1.0, -0.0),
+            # The bf16 scale: ties of a constant group's rounding (to even, and up), ranges up to
+            # 2^127, the 2^126 limit (NaN at it, finite below), the 2^-100 floor.
+            np.full(g, 1.00390625), np.full(g, -1.01171875), np.linspace(-1e37, 3e37, g),
+            np.linspace(-8.5e37, 8.5e37, g), np.full(g, 2.0 ** 126),
+            np.where(np.arange(g) == 1, 2.0 ** 126, 1.0), np.linspace(-3e-30, 1e-30, g),
+            np.linspace(5e-31, 6e-31, g)]
     # Outlier groups that straddle zero by a fraction of a step (the zero-aware policy's case):
     # one value of +-300, the rest near zero, and the same with zero at an exact grid fraction.
     for sign in (1.0, -1.0):
@@ -171,7 +177,7 @@ def test_cpp_quantizer_matches_reference(g):
         np.testing.assert_array_equal(packed[:k], ref_packed[:k], err_msg=f"{bits} {policy}")
         np.testing.assert_array_equal(params[:k], ref_params[:k], err_msg=f"{bits} {policy}")
         out = _ffi.dequantize_groups(packed, params, g, bits, code, flush_denormals=True)
-        ref = np.asarray(dequantize(ref_packed, ref_params.view(np.float16), bits, policy))
+        ref = np.asarray(dequantize(ref_packed, ref_params, bits, policy))
         assert_same_bits(out[:k], ref[:k], f"dequantize {bits} {policy}")
         np.testing.assert_array_equal(out[k:], ref[k:])  # values only: -0 == +0
 
@@ -310,7 +316,7 @@ def test_other_group_sizes():
         assert_same_bits(got[i], want[i], f"g={g} {bits} {policy}")
 
 
-def test_non_finite_and_fp16_overflow_match_reference():
+def test_non_finite_and_range_limit_match_reference():
     num_ranks = 4
     n = 1500
     x = rng_inputs(3, num_ranks, n, np.float32)
@@ -318,8 +324,9 @@ def test_non_finite_and_fp16_overflow_match_reference():
     x[1, 400] = np.inf                # a group of segment 1 (its owner sums inf)
     x[2, 401] = -np.inf               # same group: inf - inf = NaN in the sum
     x[3, 900] = np.inf
-    x[1, 1300:1310] = 3e9             # fp16 scale overflow: NaN, never finite garbage
-    x[2, 1200:1210] = 1e-30           # scale underflow: fp16 subnormal / zero, finite
+    x[3, 1100:1110] = 3e9             # far beyond fp16's range: finite (bf16 scales)
+    x[2, 1200:1210] = 1e-30           # tiny values at the 2^-100 scale floor: finite
+    x[1, 1300:1310] = 1e38            # past the 2^126 limit: NaN, never finite garbage
     x[0, 1410:1420] = 1e-40           # fp32 subnormal inputs
     configs = [ej.EchoConfig(bits=bits, policy=policy) for bits, policy in CONFIGS]
     got, want = run_both(num_ranks, configs, [x] * len(configs))
@@ -328,7 +335,9 @@ def test_non_finite_and_fp16_overflow_match_reference():
         assert_same_bits(got[i], want[i], f"non-finite {bits} {policy}")
         assert np.isnan(got[i][0, 0:128]).all()          # the NaN poisons its whole group
         assert np.isnan(got[i][0, 384:512]).all()        # inf + (-inf)
-        assert np.isfinite(got[i][0, 1024:1152]).all()   # an untouched group stays finite
+        assert np.isnan(got[i][0, 1280:1408]).all()      # the group past the range limit
+        assert np.isfinite(got[i][0, 128:384]).all()     # untouched groups stay finite
+        assert np.isfinite(got[i][0, 1024:1280]).all()   # 3e9 and the tiny values
 
 
 # -------------------------------------------------------------------------------------------
@@ -493,9 +502,9 @@ def assert_same_bits16(got, want, what=""):
 
 def half_inputs(seed, num_ranks, n, dtype):
     """[P, n] contributions in `dtype` with, for n >= 1000, a NaN, +-inf in one group (its sum is
-    NaN), values that overflow the 16-bit dtype on the way back (fp16: each rank's 6e4 sums past
-    65504 to inf; bf16: 3e38 overflows the fp16 scale, so the group is NaN), tiny values whose sum
-    is a float16 subnormal, and bf16 / fp16 subnormal inputs."""
+    NaN), values at the ends of the range (fp16: each rank's 6e4 sums past 65504 to inf on the
+    way back; bf16: 3e38 is past the wire format's 2^126 limit, so its group is NaN), tiny values
+    whose sum is a float16 subnormal, and bf16 / fp16 subnormal inputs."""
     x = rng_inputs(seed, num_ranks, n, np.float32)
     if n >= 1000:
         x[0, 5] = np.nan
@@ -628,9 +637,8 @@ def test_echo_psum_16bit_custom_call_takes_and_returns_x_dtype(dtype, compensate
     f_p2p, g_p2p = _echo_psum_16bit(mesh, num_ranks, "p2p", compensated, x, m1, m2, kw)
     f_xla, g_xla = _echo_psum_16bit(mesh, num_ranks, "xla", compensated, x, m1, m2, kw)
 
-    # rescale=False: the module holds nothing but the call. (The default, rescale="auto", adds
-    # the max |x| reduction for its factor, which XLA's CPU backend runs in f32 inside the
-    # reduce fusion; its custom call is checked below as well.)
+    # rescale=False: the module holds nothing but the call. (The default, rescale="auto", is
+    # rescale=False; its program is checked below as well.)
     f_plain, _ = _echo_psum_16bit(mesh, num_ranks, "p2p", compensated, x, m1, m2, kw,
                                   rescale=False)
     hlo = f_plain.lower(*args).compile().as_text()
@@ -667,10 +675,11 @@ def test_echo_psum_16bit_custom_call_takes_and_returns_x_dtype(dtype, compensate
     got, want = f_p2p(*args), f_xla(*args)
     assert np.asarray(got[0]).dtype == jnp.dtype(dtype)
     assert_same_bits16(got[0], want[0], "y")
-    # Special values in the slice: fp16's sums past 65504 come back inf; bf16's 3e38 comes back
-    # finite (rescale="auto" scales the contribution down; rescale=False makes its group NaN).
-    assert (not np.isfinite(np.asarray(got[0], np.float32)).all()
-            or np.abs(np.asarray(x, np.float32)).max() > 1e38)
+    # Special values in the slice: fp16's sums past 65504 come back inf; bf16's 3e38 (past the
+    # 2^126 limit) makes its group NaN.
+    y = np.asarray(got[0], np.float32)
+    assert (np.isinf(y).any() and not np.isnan(y).any() if dtype == jnp.float16
+            else np.isnan(y).any() and not np.isinf(y).any())
     if compensated:
         assert_same_bits(got[1], want[1], "m1")
         assert_same_bits(got[2], want[2], "m2")

@@ -8,6 +8,7 @@ from the data alone). Fake CPU devices (tests/conftest.py); one case per code pa
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax import lax
@@ -268,27 +269,32 @@ def test_unreduced_and_reduced_inputs_are_refused_naming_the_type_and_fix():
 
 # --- non-finite and huge values --------------------------------------------------------------
 
-def test_no_group_turns_nan_below_fp32_max():
-    """rescale="auto" scales a contribution down from auto_rescale_above(P) up, so no finite
-    value makes a group NaN: the sum of x * 2^j is the sum of x times 2^j, bit for bit, for any
-    magnitude from there to fp32's largest value, within Eq. 1's bound, on both transports."""
+def test_no_group_turns_nan_below_the_range_limit():
+    """The default (rescale="auto": no rescaling) sends any finite contribution as it is (bf16
+    group scales: fp32's exponent range): the sum of x * 2^j is the sum of x times 2^j, bit for
+    bit (the format is power-of-two equivariant above its 2^-100 scale floor), finite and
+    within Eq. 1's bound, for max |x| from 2^-76 to 2^123 (every sum below P * 2^123 = 2^125),
+    on both transports. A sum that reaches the 2^126 limit (each rank sends 1.5 * 2^124 at one
+    element) comes back NaN in its group of g values on every rank, never finite garbage or
+    inf; the other groups stay finite."""
     mesh = make_mesh((4,), ("tp",))
     x = np.asarray(jax.random.normal(jax.random.key(4), (4, 1000)), np.float32)
-    x = x / np.abs(x).max() * np.float32(2.0 ** 14)          # max |x| = 2^14 > 8192 = above(4)
-    assert collective.auto_rescale_above(4) == 8192.0
+    x = x / np.abs(x).max() * np.float32(2.0 ** 14)
     runs = {t: shard_mapped(lambda v, c=ej.EchoConfig(transport=t): ej.echo_psum(
         v[0], "tp", config=c)[None], mesh) for t in ("xla", "p2p")}
     base = np.asarray(runs["xla"](put(x, mesh, P("tp"))))
     within_bound(base[0], x)
-    for j in (0, 40, 111):                                  # up to max |x| = 2^125 (P * 2^125 <
-        xs = x * np.float32(2.0 ** j)                       # fp32's largest value)
+    for j in (-90, 0, 40, 109):
+        xs = x * np.float32(2.0 ** j)
         for transport, f in runs.items():
             y = np.asarray(f(put(xs, mesh, P("tp"))))
             assert np.isfinite(y).all(), (j, transport)
             np.testing.assert_array_equal(bits(y), bits(base * np.float32(2.0 ** j)))
-    # Without the rescaling the groups overflow fp16's scale range: NaN (documented).
-    f = shard_mapped(lambda v: ej.echo_psum(v[0], "tp", config=XLA, rescale=False)[None], mesh)
-    assert np.isnan(np.asarray(f(put(x * np.float32(2.0 ** 20), mesh, P("tp"))))).all()
+    xs[:, 300] = np.float32(1.5 * 2.0 ** 124)                  # group 2 sums to 1.5 * 2^126
+    for transport, f in runs.items():
+        y = np.asarray(f(put(xs, mesh, P("tp"))))
+        assert np.isnan(y[:, 256:384]).all(), transport
+        assert np.isfinite(np.delete(y, np.s_[256:384], axis=1)).all(), transport
 
 
 def test_inf_makes_its_group_nan_and_exact_leaves_keep_it():
@@ -640,12 +646,7 @@ def test_weak_types_beyond_python_literals():
         np.testing.assert_array_equal(np.asarray(vm[0][k]), np.asarray(vm[1][k]))
 
 
-# --- rescale="auto" at its thresholds ---------------------------------------------------------
-
-def _auto_threshold_above(num_ranks):
-    """The documented upper threshold: 2^15 / P rounded down to a power of two."""
-    return 2.0 ** (15 - int(np.ceil(np.log2(num_ranks))))
-
+# --- rescale: the modes and the factor ------------------------------------------------------
 
 def _echo_sums(x, transport="xla", rescale="auto"):
     """Every rank's echo_psum of x [P, n] (rank r contributes x[r]): vmap for "xla", the
@@ -660,92 +661,131 @@ def _echo_sums(x, transport="xla", rescale="auto"):
         put(x, mesh, P("tp"))))
 
 
+def _bf16(v):
+    """float64 -> the nearest bf16 value (ties to even), as float64."""
+    return np.asarray(np.float32(v)).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
 def _constant_groups(c, num_ranks, g=128):
     """Every rank contributes the groups c, -c, c / 2 and 0 (each constant, g values)."""
     row = np.concatenate([np.full(g, c), np.full(g, -c), np.full(g, c / 2), np.zeros(g)])
     return np.broadcast_to(row.astype(np.float32), (num_ranks, 4 * g)).copy()
 
 
-def _check_constant_groups_exact(values, num_ranks, transport):
+def _check_constant_groups(values, num_ranks, transport):
+    """A constant group is sent as its value rounded to the nearest bf16, b = bf16(c), exactly
+    (quant.py's docstring), at any magnitude (below the 2^-100 scale floor too) up to the 2^126
+    limit. The owner adds its own c in full precision to the P - 1 copies b (exact in fp32 for
+    the values here: at most 16 significant bits), and the sum, a constant group again, comes
+    back as bf16(c + (P - 1) b) on every rank; NaN where |c + (P - 1) b| reaches 2^126."""
     for c in values:
         x = _constant_groups(np.float32(c), num_ranks)
         assert x[0, 0] == np.float32(c)
+        b = _bf16(x[:, ::128])                                  # [P, 4]: each group's b
+        total = x[0, ::128].astype(np.float64) + (num_ranks - 1) * b[0]
+        with np.errstate(over="ignore"):                        # a sum past fp32's range
+            want = np.where(np.abs(total) >= 2.0 ** 126, np.nan, _bf16(total))
         y = _echo_sums(x, transport)
-        want = x.astype(np.float64).sum(0)            # exact: P * c, an fp16 value times 2^k
-        assert np.isfinite(y).all(), (c, num_ranks, transport)
-        np.testing.assert_array_equal(y, np.broadcast_to(want, y.shape).astype(np.float32),
-                                      f"c={c!r} P={num_ranks} {transport}")
+        np.testing.assert_array_equal(y, np.broadcast_to(np.repeat(want, 128), y.shape)
+                                      .astype(np.float32), f"c={c!r} P={num_ranks} {transport}")
 
 
 def _edge_values(num_ranks):
-    low, top = 2.0 ** -6, _auto_threshold_above(num_ranks)
-    step = 1 - 2.0 ** -11                           # one fp16 step below (11 significant bits)
-    return [low, low * step, top, top * step, 2 * top * step, 3 * top, 65504.0,
-            1.5 * 2.0 ** 100]
+    """Constants at the format's edges: below the scale floor, bf16 rounding ties (1 + 2^-8 to
+    even 1, 1 + 3 * 2^-8 to even 1 + 2^-6), fp16's largest value (not a bf16 value), and
+    top = 2^(126 - ceil(log2 P)) and the bf16 value below it (where P is a power of two, the
+    sum P * c reaches the 2^126 limit at top and stays below it one bf16 step lower)."""
+    top = 2.0 ** (126 - int(np.ceil(np.log2(num_ranks))))
+    return [1.5 * 2.0 ** -100, 2.0 ** -6, 1.0, 1.00390625, 1.01171875, 65504.0, 3 * 2.0 ** 100,
+            (1 - 2.0 ** -8) * top, top]
 
 
-def test_auto_rescale_constant_groups_at_the_thresholds_are_exact():
-    """A constant group dequantizes to its fp16 value exactly (docs/design.md), and the sum of
-    P equal fp16 values times a power of two is exact: constant contributions exactly at
-    AUTO_RESCALE_BELOW = 2^-6, exactly at auto_rescale_above(P) = 2^15 / P (P = 4: 8192),
-    one fp16 step below each, three times the upper one, fp16's largest value and 1.5 * 2^100
-    come back as P * c exactly and finite (rescale="auto"), on both transports."""
-    assert collective.AUTO_RESCALE_BELOW == 2.0 ** -6
-    assert collective.auto_rescale_above(4) == _auto_threshold_above(4) == 8192.0
-    _check_constant_groups_exact(_edge_values(4), 4, "xla")
-    _check_constant_groups_exact([2.0 ** -6, 8192.0, 3 * 8192.0], 4, "p2p")
+def test_constant_groups_are_exact_up_to_the_range_limit():
+    """Constant contributions come back as documented (`_check_constant_groups`): exact for a
+    bf16 value (P * c at P = 4), rounded to the nearest bf16 otherwise, finite up to a sum just
+    below 2^126 ((1 - 2^-8) * 2^124 from each of 4 ranks) and NaN in the groups whose sum
+    reaches it (2^124 from each: c and -c NaN, c / 2 and 0 exact), on both transports."""
+    values = _edge_values(4)
+    assert values[-1] == 2.0 ** 124 and values[-2] == (1 - 2.0 ** -8) * 2.0 ** 124
+    _check_constant_groups(values, 4, "xla")
+    _check_constant_groups([1.00390625, 65504.0] + values[-2:], 4, "p2p")
+    y = _echo_sums(_constant_groups(np.float32(2.0 ** 124), 4))
+    assert np.isnan(y[:, :256]).all() and (y[:, 256:384] == 2.0 ** 125).all()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("num_ranks", [2, 3, 8])
 @pytest.mark.parametrize("transport", ["xla", "p2p"])
-def test_auto_rescale_constant_groups_grid(num_ranks, transport):
-    """As above for P = 2, 3, 8, and constants m * 2^e (m = 1, 1.5, 1.75) across fp32's range
-    up to where P * c still fits: those whose sum P * c has at most fp16's 11 significant bits
-    (at P = 3 the edges one fp16 step below have 13: their sum is rounded to fp16 once)."""
+def test_constant_groups_grid(num_ranks, transport):
+    """As above for P = 2, 3, 8, and constants m * 2^e (m = 1, 1.5, 1.75) across fp32's range,
+    from below the scale floor to beyond the range limit (NaN there)."""
     values = _edge_values(num_ranks) + [m * 2.0 ** e for m in (1, 1.5, 1.75)
-                                        for e in range(-60, 126, 17)]
-    values = [c for c in values if num_ranks * c < 3.0e38
-              and float(np.frexp(num_ranks * c)[0] * 2 ** 11).is_integer()]
-    _check_constant_groups_exact(values, num_ranks, transport)
+                                        for e in range(-120, 127, 17)]
+    _check_constant_groups(values, num_ranks, transport)
 
 
-def _with_a_tiny_group(edge, num_ranks, seed):
-    """Contributions whose largest |x| over the group is exactly `edge` (on rank 0), with one
-    group 2^-30 times smaller, whose fp16 scale is subnormal unless the call is scaled up."""
+def _with_a_tiny_group(top, num_ranks, seed, tiny=2.0 ** -50):
+    """Contributions whose largest |x| over the group is exactly `top` (on rank 0), with one
+    group (the last of 4) `tiny` times smaller."""
     x = np.asarray(jax.random.uniform(jax.random.key(seed), (num_ranks, 512), minval=-1,
-                                      maxval=1), np.float32) * np.float32(edge / 2)
-    x[:, 384:] *= np.float32(2.0 ** -30)
-    x[0, 5] = np.float32(edge)
-    assert np.abs(x).max() == np.float32(edge)
+                                      maxval=1), np.float32) * np.float32(top / 2)
+    x[:, 384:] *= np.float32(tiny)
+    x[0, 5] = np.float32(top)
+    assert np.abs(x).max() == np.float32(top)
     return x
 
 
 @pytest.mark.parametrize("transport", ["xla", pytest.param("p2p", marks=pytest.mark.slow)])
-def test_auto_rescale_thresholds_are_where_documented(transport):
-    """rescale="auto" gives rescale=False's bits for a group-wide max |x| from 2^-6 up to just
-    below auto_rescale_above(P); below 2^-6 it scales as rescale=True does (max into
-    [256, 512)); from auto_rescale_above(P) = T up it scales the max into [T / 2, T): at exactly
-    T by 1/2, which gives the bits of rescale=False on x / 2, times 2 (powers of two are exact).
-    A group 2^-30 times smaller than the max makes each factor visible in the bits."""
-    num_ranks, low = 4, np.float32(2.0 ** -6)
-    top = np.float32(_auto_threshold_above(num_ranks))
-    below = lambda v: np.nextafter(v, np.float32(0))  # noqa: E731
+def test_rescale_modes_are_where_documented(transport):
+    """rescale="auto" (the default) gives rescale=False's bits. rescale=True scales the call's
+    max |x| into [256, 512) and back, which changes the bits only where a group meets the
+    scale's 2^-100 floor: with max |x| = 2^-60 and a group 2^-50 times smaller (values near
+    2^-111, below the floor unscaled) True differs from False in that group alone, and is the
+    nearer to the float64 sum there; with the same group at max |x| = 1 (values near 2^-51)
+    True gives False's bits everywhere."""
+    num_ranks = 4
+    x = _with_a_tiny_group(2.0 ** -60, num_ranks, 12)
+    off, on = _echo_sums(x, transport, False), _echo_sums(x, transport, True)
+    np.testing.assert_array_equal(bits(_echo_sums(x, transport, "auto")), bits(off))
+    np.testing.assert_array_equal(bits(on[:, :384]), bits(off[:, :384]))
+    assert not np.array_equal(bits(on[:, 384:]), bits(off[:, 384:]))
+    exact = x.astype(np.float64).sum(0)[384:]
+    err_on, err_off = (np.linalg.norm(v[0, 384:] - exact) for v in (on, off))
+    assert err_on < 0.2 * err_off, (err_on, err_off)
+    x = _with_a_tiny_group(1.0, num_ranks, 13)
+    off = _echo_sums(x, transport, False)
+    np.testing.assert_array_equal(bits(_echo_sums(x, transport, True)), bits(off))
+    np.testing.assert_array_equal(bits(_echo_sums(x, transport, "auto")), bits(off))
 
-    def run(x, rescale):
-        return _echo_sums(x, transport, rescale)
 
-    x = _with_a_tiny_group(low, num_ranks, 12)
-    assert not np.array_equal(bits(run(x, False)), bits(run(x, True)))   # the data tells
-    np.testing.assert_array_equal(bits(run(x, "auto")), bits(run(x, False)))
-    x = _with_a_tiny_group(below(low), num_ranks, 13)
-    np.testing.assert_array_equal(bits(run(x, "auto")), bits(run(x, True)))
-    x = _with_a_tiny_group(top, num_ranks, 14)
-    half = run(x * np.float32(0.5), False) * np.float32(2)
-    assert not np.array_equal(bits(half), bits(run(x, False)))
-    np.testing.assert_array_equal(bits(run(x, "auto")), bits(half))
-    x = _with_a_tiny_group(below(top), num_ranks, 15)
-    np.testing.assert_array_equal(bits(run(x, "auto")), bits(run(x, False)))
+def test_rescale_factor_is_the_documented_power_of_two():
+    """collective.rescale_factor (rescale=True's factor) against its docstring, under vmap
+    for P = 4 and 128: a power of two 2^k that puts the group-wide max |x| (on one rank; NaN
+    and +-inf on another left out) in [256, 512) / 2^h (h: the rotation's headroom), or in
+    [T / 2, T) with T = rescale_ceiling(P, h) = 2^(15 - ceil(log2 P) - h) where that is lower
+    (P > 64); k clipped to [-126, 120] (multiplying by it stays exact); 1 for a max of 0. The
+    mode must be True ("auto" takes no factor)."""
+    assert collective.rescale_ceiling(4) == 8192.0 and collective.rescale_ceiling(128, 4) == 16.0
+    rng = np.random.default_rng(20)
+    for num_ranks in (4, 128):
+        for h in (0, 4):
+            f = jax.jit(jax.vmap(lambda v, h=h: collective.rescale_factor(v, "tp", True, h),
+                                 axis_name="tp"))
+            aim = min(2.0 ** (9 - h), 2.0 ** (15 - int(np.ceil(np.log2(num_ranks))) - h))
+            for e in (-120, -60, -21, 0, 8, 9, 21, 60, 100, 125):
+                amax = 1.5 * 2.0 ** e
+                x = (rng.uniform(-1, 1, (num_ranks, 16)) * amax).astype(np.float32)
+                x[num_ranks - 1, 3] = np.float32(amax)
+                x[0, 5], x[1, 6] = np.nan, -np.inf
+                got = np.asarray(f(jnp.asarray(x)), np.float64)
+                k = int(np.clip(np.log2(aim) - 1 - e, -126, 120))   # amax * 2^k in [aim/2, aim)
+                assert (got == 2.0 ** k).all(), (num_ranks, h, e, got[0], k)
+            zero = np.zeros((num_ranks, 16), np.float32)
+            zero[0, 0] = np.inf
+            assert (np.asarray(f(jnp.asarray(zero))) == 1.0).all()
+    with pytest.raises(ValueError, match="mode must be True"):
+        jax.vmap(lambda v: collective.rescale_factor(v, "tp", "auto"), axis_name="tp")(
+            jnp.ones((4, 8)))
 
 
 # --- return conventions -----------------------------------------------------------------------
@@ -841,9 +881,10 @@ def _check_equivariance(kind, cfg, ks, seed=17):
 def test_gspmd_site_backward_is_power_of_two_equivariant(kind):
     """The sites' backward rescales by powers of two (column: Echo's all-reduce of the
     cotangent with rescale=True; row: the identity), and a power of two multiplies exactly: a
-    cotangent times 2^k gives input and weight gradients times 2^k, bit for bit, far outside
-    fp16's range of group scales too (2^-40, 2^37)."""
-    _check_equivariance(kind, ej.EchoConfig(), (-40, 37))
+    cotangent times 2^k gives input and weight gradients times 2^k, bit for bit, at 2^60 and at
+    2^-100 too, where the unscaled all-reduce's contributions would meet the wire format's
+    2^-100 scale floor (the rescaling lifts them to [256, 512) first)."""
+    _check_equivariance(kind, ej.EchoConfig(), (-100, 60))
 
 
 @pytest.mark.slow

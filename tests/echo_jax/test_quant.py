@@ -19,7 +19,7 @@ def roundtrip(x, bits, policy):
 
 
 def step_of(params):
-    return np.abs(np.asarray(params[..., 0:1], np.float32))
+    return np.abs(np.asarray(quant.group_scales(jnp.asarray(params)), np.float32))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -38,7 +38,7 @@ def test_roundtrip_error_within_step(bits, policy, dist):
         x = (rng.standard_t(2, x.shape) * 10).astype(np.float32)
     xh, _, params = roundtrip(x, bits, policy)
     s = step_of(params)
-    # The scale is no larger than Eq. 8 / Eq. 9 allow (float64, rounded up to fp16): a coarser
+    # The scale is no larger than Eq. 8 / Eq. 9 allow (float64, rounded up to bf16): a coarser
     # grid would pass a bound written in the code's own scale.
     assert np.all(s[..., 0] <= max_scale(x, bits, policy)), float(np.max(s[..., 0] / max_scale(x, bits, policy)))
     err = np.abs(xh - x)
@@ -69,8 +69,8 @@ def test_roundtrip_property(values, policy, bits):
         sub = np.abs(x) < np.finfo(np.float32).tiny
         seen = np.where(sub, np.float32(0), x)
         tol = element_error_bound(seen, bits, policy) + np.where(sub, np.abs(x), 0.0)
-    if x.min() == x.max():  # constant group: exact when the value is an fp16 number
-        assert np.all(xh == np.float32(np.float16(x[0, 0])))
+    if x.min() == x.max():  # constant group: its value rounded to the nearest bf16
+        assert np.all(xh == np.float32(jnp.bfloat16(x[0, 0])))
     else:
         assert np.all(np.abs(xh - x) <= tol + 1e-30)
     assert packed.shape == (1, x.shape[1] * bits // 8)
@@ -82,8 +82,8 @@ def test_zero_and_constant_groups_exact(bits, policy):
     x = np.zeros((5, 32), np.float32)
     x[1] = 1.5
     x[2] = -3.25
-    x[3] = 2.0 ** -20          # an fp16 subnormal
-    x[4] = 60000.0
+    x[3] = 2.0 ** -120         # below the scale floor: a constant group is its bf16 value
+    x[4] = 61440.0 * 2.0 ** 90  # bf16 values (8 significant bits) of any magnitude
     xh, _, _ = roundtrip(x, bits, policy)
     np.testing.assert_array_equal(xh, x)
 
@@ -120,7 +120,7 @@ def test_zero_aware_outlier_group_keeps_zero_and_near_zero_values(bits, sign):
     assert np.all(near_zero < 0.5 * s)          # zero within half a step of an edge
     xh, _, params = roundtrip(x, bits, "asym")
     assert np.all(xh[:, 0] == 0.0)              # 0 dequantizes to exactly 0
-    z = np.asarray(params[..., 1], np.float32)
+    z = np.asarray(quant.group_zero_points(params)[..., 0])
     assert np.all(z == np.round(z))             # an integer zero-point
     small = np.abs(x) <= near_zero
     err = np.abs(xh - x)
@@ -143,7 +143,7 @@ def test_zero_aware_zero_point_is_integer_exactly_when_straddling(bits):
     x[2::7] = -np.abs(x[2::7])                              # hi <= 0
     x[3::7, 5] = 1e-3                                       # zero just inside the upper edge
     _, params = quant.quantize_groups(jnp.asarray(x), bits, "asym")
-    z = np.asarray(params[..., 1], np.float64)
+    z = np.asarray(quant.group_zero_points(params)[..., 0], np.float64)
     across = straddles(x)
     assert across.any() and (~across).any()
     assert np.all(z[across] == np.round(z[across]))
@@ -157,14 +157,15 @@ def test_zero_aware_map_meets_the_naive_map_at_the_edges(edge):
     # Zero leaving the range through its lower edge (lo rises through 0) or its upper edge (hi
     # falls through 0): the integer zero-point of the straddling side and the naive one of the
     # one-sided side meet there (quant.py's docstring: no blend needed), so z moves by a small
-    # fraction of a step per small move of the data, never by a jump.
+    # fraction of a step per small move of the data, never by a jump: at most the bf16 rounding
+    # of the scale, M * 2^-7 = 0.12 steps at 4 bits, where hi falls through 0.
     zs = []
     for t in np.linspace(-0.2, 0.2, 81, dtype=np.float32):
         x = np.linspace(t, 30.0, 128, dtype=np.float32) if edge == "lo" else \
             np.linspace(-30.0, -t, 128, dtype=np.float32)
         _, params = quant.quantize_groups(jnp.asarray(x[None]), 4, "asym")
-        zs.append(float(params[0, 1]))
-    assert max(abs(a - b) for a, b in zip(zs, zs[1:])) < 0.05
+        zs.append(float(quant.group_zero_points(params)[0, 0]))
+    assert max(abs(a - b) for a, b in zip(zs, zs[1:])) <= 15 * 2.0 ** -7
     assert zs[0] == round(zs[0]) and zs[-1] != round(zs[-1])  # straddling, then one-sided
 
 
@@ -177,24 +178,42 @@ def test_non_finite_group_stays_non_finite(bits, policy, bad):
     xh, _, params = roundtrip(x, bits, policy)
     assert np.all(np.isnan(xh[1]))           # the whole group, never finite garbage
     assert np.all(np.isfinite(xh[[0, 2]]))   # neighbours untouched
-    assert np.isnan(float(params[1, 0]))
+    assert int(params[1, 0]) == quant.NAN_SCALE_BITS
+    assert np.isnan(float(quant.group_scales(params)[1, 0]))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_scale_overflow_is_non_finite_not_garbage(policy):
-    x = np.linspace(-1e9, 1e9, 32, dtype=np.float32)[None]
-    xh, _, _ = roundtrip(x, 4, policy)
-    assert np.all(~np.isfinite(xh))
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-def test_tiny_magnitudes_use_subnormal_scales(policy):
+def test_any_finite_magnitude_below_the_range_limit_stays_finite(bits, policy):
+    # The bf16 scale spans fp32's exponent range: groups from 1e-25 to just below 2^126 (and
+    # their ranges up to 2^127) quantize to finite values within half a step, with no rescaling;
+    # from 2^126 on a group is sent as NaN, never as finite garbage or inf.
     rng = np.random.default_rng(3)
-    x = (rng.standard_normal((64, 128)) * 1e-6).astype(np.float32)
-    xh, _, params = roundtrip(x, 8, policy)
+    mags = np.float32([1e-25, 1e-12, 1e-6, 1.0, 6e4, 1e9, 1e20, 1e37])
+    x = (rng.uniform(-1, 1, (len(mags), 128)) * mags[:, None]).astype(np.float32)
+    x[-1, :2] = [np.nextafter(np.float32(2.0 ** 126), np.float32(0)),
+                 -np.nextafter(np.float32(2.0 ** 126), np.float32(0))]
+    xh, _, params = roundtrip(x, bits, policy)
+    s = step_of(params)[..., 0]
+    assert np.all(np.isfinite(xh)) and np.all(s > 0)
+    assert np.all(s <= max_scale(x, bits, policy))
+    assert np.all(np.abs(xh - x) <= element_error_bound(x, bits, policy))
+    big = np.ones((2, 16), np.float32)
+    big[1, 3] = np.float32(2.0 ** 126)
+    xh, _, params = roundtrip(big, bits, policy)
+    assert np.all(np.isnan(xh[1])) and np.all(xh[0] == 1)
+    assert int(params[1, 0]) == quant.NAN_SCALE_BITS
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_tiny_magnitudes_use_the_scale_floor(policy):
+    # Below about 2^-97 the step stops at 2^-100 (quant.SCALE_FLOOR): values come back within
+    # half of it, never NaN; every scale stays a normal fp32 number.
+    x = np.float32([[3e-30, -1e-30, 0.0, 2e-31], [1e-35, 2e-35, 3e-35, 4e-35]])
+    xh, _, params = roundtrip(x, 4, policy)
     s = step_of(params)
-    assert np.all(s > 0)
-    assert np.all(np.abs(xh - x) <= 0.5 * s * 1.001 + 1e-12)
+    assert np.all(s == np.float32(quant.SCALE_FLOOR))
+    assert np.all(np.abs(xh - x) <= 0.5 * s)
 
 
 def test_sym_never_uses_most_negative_code():
@@ -219,14 +238,30 @@ def test_wire_bytes():
     assert quant.wire_bytes_per_group(128, 8, "asym") == 132
 
 
-def test_f16_round_up_is_the_next_fp16_at_or_above():
+def test_bf16_round_up_is_the_next_bf16_at_or_above():
+    import ml_dtypes
     rng = np.random.default_rng(5)
-    v = np.concatenate([rng.uniform(0, 70000, 5000), 10.0 ** rng.uniform(-9, 4, 5000),
-                        [0.0, 65504.0, 65519.0, 65520.0, 1e-8]]).astype(np.float32)
-    up = np.asarray(quant.f16_round_up(jnp.asarray(v))).astype(np.float32)
+    big = np.float32(np.finfo(ml_dtypes.bfloat16).max)
+    v = np.concatenate([rng.uniform(0, 70000, 5000), 10.0 ** rng.uniform(-38, 38, 5000),
+                        [0.0, 1.0, 1.00390625, 1.0039063, 1e-40, big, np.nextafter(big, 0)],
+                        ]).astype(np.float32)
+    up = np.asarray(quant.bf16_round_up(jnp.asarray(v))).astype(np.float32)
     assert np.all(up >= v)
-    below = np.nextafter(up.astype(np.float16), np.float16(-np.inf)).astype(np.float32)
+    assert np.all(up.astype(ml_dtypes.bfloat16).astype(np.float32) == up)  # a bf16 value
+    below = np.nextafter(up.astype(ml_dtypes.bfloat16),
+                         ml_dtypes.bfloat16(-np.inf)).astype(np.float32)
     assert np.all((below < v) | (up == 0))
+    over = np.asarray(quant.bf16_round_up(jnp.float32(np.nextafter(big, np.float32(np.inf)))))
+    assert np.isinf(over)
+
+
+def test_bf16_round_is_xla_convert():
+    rng = np.random.default_rng(6)
+    v = (rng.standard_normal(20000) * 10.0 ** rng.uniform(-30, 30, 20000)).astype(np.float32)
+    v = np.concatenate([v, np.float32([1.00390625, 1.01171875, -1.00390625, 0.0, -0.0])])
+    got = np.asarray(quant.bf16_round(jnp.asarray(v)))
+    want = np.asarray(jnp.asarray(v).astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -4,7 +4,7 @@ the other transports compare) and the C++ quantizer of ffi/echo_common.h on the 
 
 Covers the fast kernels (every g in FAST_G, 4 / 8 bits, the three policies, fp32 / bf16 / fp16
 in) and the generic fallback (other g), on adversarial groups: NaN, +-inf, mixes of +0 and -0,
-constant groups, fp16-subnormal scales, fp32 subnormals, fp16-overflowing scales, zero a fraction
+constant groups, scales at the 2^-100 floor, fp32 subnormals, max |x| at the 2^126 limit, zero a fraction
 of a step inside the range with a +-300 outlier, 1000.0 .. 1000.001, arbitrary bit patterns.
 Marked `gpu`: skipped without an NVIDIA GPU. `ECHO_JAX_GENERIC_QUANT=1` makes the handlers use the
 generic kernels throughout; test_generic_kernels_in_a_subprocess runs a subset that way."""
@@ -82,12 +82,12 @@ def _group(rng, g, kind):
         v[rng.integers(g)] = np.nan
     elif kind == 6:
         v[rng.integers(g)] = np.inf if rng.integers(2) else -np.inf
-    elif kind == 7:  # scales in fp16's subnormal range
-        v = (rng.standard_normal(g) * 1e-6 * rng.uniform()).astype(np.float32)
+    elif kind == 7:  # tiny values: the 2^-100 scale floor
+        v = (rng.standard_normal(g) * 10.0 ** rng.uniform(-33, -27)).astype(np.float32)
     elif kind == 8:  # fp32 subnormals
         v = (rng.standard_normal(g) * 1e-40).astype(np.float32)
-    elif kind == 9:  # scale beyond fp16: a NaN group on the wire
-        v = (rng.standard_normal(g) * 1e9).astype(np.float32)
+    elif kind == 9:  # huge values: finite up to 2^126, a NaN group on the wire from it
+        v = (rng.standard_normal(g) * 10.0 ** rng.uniform(36, 38)).astype(np.float32)
     elif kind == 10:  # zero a fraction of a step inside the range, one outlier
         v = (v * np.float32(1e-3 / scale)).astype(np.float32)
         v[rng.integers(g)] = 300.0 if rng.integers(2) else -300.0
@@ -99,12 +99,14 @@ def _group(rng, g, kind):
         v = np.where(rng.integers(0, 2, g) == 1, np.float32(3e38), np.float32(-3e38))
     elif kind == 14:  # two values
         v = np.where(rng.integers(0, 2, g) == 1, v[0], v[1]).astype(np.float32)
-    elif kind == 15:  # sym scale near fp16's largest
-        v = (65504.0 * 7.0 * (1 + 0.01 * rng.standard_normal(g))).astype(np.float32)
+    elif kind == 15:  # max |x| at the 2^126 limit (some groups just below it, some at it)
+        v = (2.0 ** 126 * (1 - 0.01 * np.abs(rng.standard_normal(g)))).astype(np.float32)
+        if rng.integers(2):
+            v[rng.integers(g)] = np.float32(2.0 ** 126)
     elif kind == 16:  # zeros of both signs and the smallest subnormals
         v = rng.choice(np.array([0.0, -0.0, 1e-45, 3e-45, -1e-45], np.float32), g)
-    elif kind == 17:  # half-step points of an fp16 grid (rounding ties)
-        s = np.float32(np.float16(scale))
+    elif kind == 17:  # half-step points of a bf16 grid (rounding ties)
+        s = np.float32(jnp.bfloat16(scale))
         v = ((rng.integers(0, 31, g) - 15) * 0.5 * s).astype(np.float32)
     elif kind == 18:  # non-negative with a -0: lo = -0
         v = np.abs(v)
@@ -117,8 +119,8 @@ def _group(rng, g, kind):
         v[rng.integers(g)] = -np.nan
     elif kind == 21:  # a range tiny next to the magnitude: the amax * 2^-10 floor sets s
         v = (1.0 + 1e-4 * rng.standard_normal(g)).astype(np.float32)
-    elif kind == 22:  # a constant group that overflows fp16 / one that is an fp16 subnormal
-        v[:] = np.float32(1e5) if rng.integers(2) else np.float32(3e-6)
+    elif kind == 22:  # constant groups: a bf16 rounding tie, or below fp32's normal range
+        v[:] = np.float32(1.00390625 * 2.0 ** 90) if rng.integers(2) else np.float32(3e-39)
     return v
 
 
@@ -155,6 +157,15 @@ def zero_sign_ambiguous(x32):
     return finite & ((lo == 0) | (hi == 0)) & both
 
 
+def param_values(params):
+    """uint16 wire parameters [G, 1|2] -> fp32 values (the bf16 scale, the fp16 zero-point)."""
+    p = np.asarray(params).astype(np.uint32)
+    out = (p << 16).view(np.float32).copy()
+    if p.shape[-1] == 2:
+        out[..., 1] = p[..., 1].astype(np.uint16).view(np.float16).astype(np.float32)
+    return out
+
+
 def same_values(a, b, what):
     a, b = np.asarray(a, np.float32).reshape(-1), np.asarray(b, np.float32).reshape(-1)
     bad = np.flatnonzero(~((a == b) | (np.isnan(a) & np.isnan(b))))
@@ -170,7 +181,8 @@ def compare_with_jax(packed, params, y, ref, x32, g, what):
     same_bits(packed, ref_packed, f"{what}: packed vs JAX")
     same_bits(params[~amb], ref_params[~amb], f"{what}: params vs JAX")
     same_bits(y[~amb], ref_y.reshape(-1, g)[~amb], f"{what}: dequantized vs JAX")
-    same_values(params[amb], ref_params[amb], f"{what}: params vs JAX (+-0 groups)")
+    same_values(param_values(params[amb]), param_values(ref_params[amb]),
+                f"{what}: params vs JAX (+-0 groups)")
     same_values(y[amb], ref_y.reshape(-1, g)[amb], f"{what}: dequantized vs JAX (+-0 groups)")
 
 

@@ -204,23 +204,28 @@ def test_compensator_state_semantics_in_the_original_basis():
 
 @needs_call
 def test_p2p_with_rotation_runs_the_fused_call():
-    # The default rescale="auto" too: the factor comes from x, so the rotation, the compensator
-    # and the protocol all stay in the one custom call.
+    # The rotation, the compensator and the protocol all stay in the one custom call, with the
+    # default rescale ("auto": no factor, so no collective at all besides the call) and with
+    # rescale=True (its factor, from x, is an operand of the call: one scalar pmax).
     mesh = make_mesh((4,), ("tp",))
     cfg = ej.EchoConfig(rotation="hadamard", transport="p2p")
+    for rescale in ("auto", True):
+        def body(v, rescale=rescale):
+            y, s = ej.echo_psum(v[0], "tp", config=cfg, state=ej.init_state(v[0]),
+                                rescale=rescale)
+            return as_varying(y)[None], s.m1[None]
 
-    def body(v):
-        y, s = ej.echo_psum(v[0], "tp", config=cfg, state=ej.init_state(v[0]))
-        return as_varying(y)[None], s.m1[None]
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=(P("tp"), P("tp"))))
-    hlo = f.lower(put(jnp.ones((4, 4096)), mesh, P("tp"))).compile().as_text()
-    assert cpu.TARGET_COMPENSATED in hlo and "rotate = 1" in hlo
-    for op in ("all-to-all(", "all-gather("):
-        assert op not in hlo
-    # Only the default rescaling's scalar pmax (of x) is an all-reduce.
-    reduces = [ln for ln in hlo.splitlines() if "all-reduce(" in ln]
-    assert len(reduces) == 1 and "f32[] " in reduces[0], reduces
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"),
+                                  out_specs=(P("tp"), P("tp"))))
+        hlo = f.lower(put(jnp.ones((4, 4096)), mesh, P("tp"))).compile().as_text()
+        assert cpu.TARGET_COMPENSATED in hlo and "rotate = 1" in hlo, rescale
+        for op in ("all-to-all(", "all-gather("):
+            assert op not in hlo
+        reduces = [ln for ln in hlo.splitlines() if "all-reduce(" in ln]
+        if rescale is True:
+            assert len(reduces) == 1 and "f32[] " in reduces[0], reduces
+        else:
+            assert not reduces, reduces
 
 
 def outlier_data(seed, nranks=4, tokens=64, channels=1024, outlier=100.0):

@@ -161,7 +161,7 @@ def test_the_plan_fuses_it_where_a_wire_group_is_a_state_group(monkeypatch):
     assert transports.call_modes(transports.CUDA, INT8, "int8")[1] == "fused"
 
 
-def _sites_under_shard_map(cfg, xs, steps):
+def _sites_under_shard_map(cfg, xs, steps, rescale="auto"):
     """`steps` compensated echo_psum calls in a row on the rows of xs [P, n] (x times 2^-step:
     exact, so that XLA cannot fuse the product into the JAX path's apply step, where the call
     takes it rounded), the int8 state carried; returns ((ys [P, steps, n], state), program)."""
@@ -174,7 +174,7 @@ def _sites_under_shard_map(cfg, xs, steps):
         s = ej.init_state(x[0], cfg)
         ys = []
         for i in range(steps):
-            y, s = ej.echo_psum(x[0] * 2.0 ** -i, "tp", config=cfg, state=s)
+            y, s = ej.echo_psum(x[0] * 2.0 ** -i, "tp", config=cfg, state=s, rescale=rescale)
             ys.append(as_varying(y, ("tp",)))
         return jnp.stack(ys)[None], jax.tree.map(lambda a: a[None], s)
 
@@ -182,21 +182,23 @@ def _sites_under_shard_map(cfg, xs, steps):
     return f(jax.device_put(xs, NamedSharding(mesh, rows))), f
 
 
-@pytest.mark.parametrize("dtype, rotation", [(jnp.float32, "none"), (jnp.bfloat16, "hadamard")],
+@pytest.mark.parametrize("dtype, rotation, rescale", [(jnp.float32, "none", True),
+                                                      (jnp.bfloat16, "hadamard", "auto")],
                          ids=["f32", "bf16-rotated"])
-def test_the_cpu_call_matches_the_jax_path_bit_for_bit(dtype, rotation):
+def test_the_cpu_call_matches_the_jax_path_bit_for_bit(dtype, rotation, rescale):
     """The fused CPU call with the int8 state (one wire group a state group) against the same
     sites on the xla transport (Algorithm 1 in JAX, checked against NumPy above): the sums and
-    every code and scale of both averages, over three sites, rescaled (echo_psum's default), a
-    short last group (n = 300) and a group holding a NaN, which poisons its scale."""
+    every code and scale of both averages, over three sites, rescaled (rescale=True: the factor
+    an operand of the call) or not (echo_psum's default), a short last group (n = 300) and a
+    group holding a NaN, which poisons its scale."""
     n = 300
     xs = np.asarray(jax.random.normal(jax.random.key(5), (4, n)), np.float32) * 3
     xs[1, 140] = np.nan  # rank 1's second group: its sums are NaN, its state groups NaN
     xs = jnp.asarray(xs).astype(dtype)
     cfg = INT8.replace(transport="p2p", rotation=rotation)
-    (y_call, s_call), f = _sites_under_shard_map(cfg, xs, 3)
+    (y_call, s_call), f = _sites_under_shard_map(cfg, xs, 3, rescale)
     assert "echo_allreduce_comp_q8_cpu" in f.lower(xs).as_text()
-    (y_ref, s_ref), _ = _sites_under_shard_map(cfg.replace(transport="xla"), xs, 3)
+    (y_ref, s_ref), _ = _sites_under_shard_map(cfg.replace(transport="xla"), xs, 3, rescale)
     both_nan = np.isnan(np.asarray(y_call, F32)) & np.isnan(np.asarray(y_ref, F32))
     np.testing.assert_array_equal(np.where(both_nan, 0, np.asarray(y_call, F32)),
                                   np.where(both_nan, 0, np.asarray(y_ref, F32)))
@@ -219,12 +221,13 @@ def test_the_cpu_call_matches_the_jax_path_bit_for_bit(dtype, rotation):
 @pytest.mark.parametrize("rotation", ["none", "hadamard"])
 def test_the_cpu_call_matches_the_jax_path_on_odd_layouts(nranks, n, dtype, rotation):
     """The grid behind the case above: P up to 8 (segments of padding alone), n below one group
-    and not a multiple of 128, both bit widths (odd n: 8 bits), large values (rescaled)."""
+    and not a multiple of 128, both bit widths (odd n: 8 bits), large values (x 50, rescaled:
+    rescale=True)."""
     xs = np.asarray(jax.random.normal(jax.random.key(nranks * 1000 + n), (nranks, n)), F32)
     xs = jnp.asarray(xs * 50).astype(dtype)
     cfg = INT8.replace(transport="p2p", rotation=rotation, bits=8 if n % 2 else 4)
-    (y_call, s_call), _ = _sites_under_shard_map(cfg, xs, 2)
-    (y_ref, s_ref), _ = _sites_under_shard_map(cfg.replace(transport="xla"), xs, 2)
+    (y_call, s_call), _ = _sites_under_shard_map(cfg, xs, 2, True)
+    (y_ref, s_ref), _ = _sites_under_shard_map(cfg.replace(transport="xla"), xs, 2, True)
     np.testing.assert_array_equal(np.asarray(y_call), np.asarray(y_ref))
     for got, want in zip(jax.tree.leaves(s_call), jax.tree.leaves(s_ref), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

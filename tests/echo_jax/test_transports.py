@@ -269,6 +269,8 @@ def test_the_plan_names_every_choice_and_fallback():
 
     def probe(v):
         got["fused"] = transports.plan(ej.EchoConfig(), "tp", 1000, state_dtype="float32")
+        got["scaled"] = transports.plan(ej.EchoConfig(), "tp", 1000, state_dtype="float32",
+                                        rescale=True)
         got["rot"] = transports.plan(ej.EchoConfig(rotation="hadamard"), "tp", 1000)
         got["xla"] = transports.plan(ej.EchoConfig(transport="xla", rotation="hadamard"), "tp",
                                      1000, state_dtype="float32", rescale=False)
@@ -278,7 +280,9 @@ def test_the_plan_names_every_choice_and_fallback():
     fused, rot, pure, big = got["fused"], got["rot"], got["xla"], got["big"]
     assert (fused.transport, fused.compensation, fused.update, fused.direct) == (
         transports.CPU, "fused", "in_call", True)
-    assert fused.factor_in == "call" and fused.reasons == ()
+    # The default rescale ("auto") takes no factor; rescale=True's is an operand of the call.
+    assert fused.factor_in == "none" and fused.reasons == ()
+    assert got["scaled"].factor_in == "call" and got["scaled"].compensation == "fused"
     assert (rot.rotation, rot.config.rotation, rot.compensation) == ("call", "hadamard", "none")
     assert (pure.transport, pure.rotation, pure.compensation, pure.direct) == (
         transports.XLA, "jax", "jax", False)

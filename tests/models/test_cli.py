@@ -234,7 +234,7 @@ def test_eval_of_the_trained_checkpoint(run):
     r = read_json(run / "eval4.json")
     assert r["tokens"] == 512 and r["config"]["windows"] == 8 and r["config"]["step"] == STEPS
     assert 1 < r["perplexity"] < 40 and r["nll"] == pytest.approx(math.log(r["perplexity"]))
-    assert r["wire_bits_per_element"] == pytest.approx(4.25)          # 4 + 2 fp16 per 128
+    assert r["wire_bits_per_element"] == pytest.approx(4.25)          # 4 + 2 x 16 bits / 128
     assert 0.8 < r["greedy_agreement"] <= 1.0
     ref = r["reference"]["perplexity"]
     assert abs(r["perplexity"] - ref) < 0.1 * ref
