@@ -254,8 +254,8 @@ def _weak_only_for_python_floats():
 
 
 def _auto_rescales():
-    from echo_jax import collective
-    mutate(collective, "check_rescale",
+    from echo_jax import transports
+    mutate(transports, "resolve_rescale",
            ('if isinstance(rescale, str) and rescale == "auto":\n        return False',
             'if isinstance(rescale, str) and rescale == "auto":\n        return True'))
 
