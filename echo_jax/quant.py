@@ -352,5 +352,6 @@ def quantize_dequantize(x, bits: int, group_size: int, policy: str):
 __all__ = [
     "POLICIES", "num_params", "code_bytes", "wire_bytes_per_group", "f16_round", "bf16_round",
     "bf16_round_up", "group_scales", "group_zero_points", "NAN_SCALE_BITS", "SCALE_FLOOR",
-    "RANGE_LIMIT", "pack_codes", "unpack_codes", "quantize_groups", "dequantize_groups", "quantize_dequantize",
+    "RANGE_LIMIT", "pack_codes", "unpack_codes", "quantize_groups", "dequantize_groups",
+    "quantize_dequantize",
 ]
