@@ -86,7 +86,8 @@ from echo_jax.config import EchoConfig
 # Re-exported: their homes are the transports (the wire layout, the kill switch, the reference).
 from echo_jax.transports import FORCE_XLA_ENV
 from echo_jax.transports.base import segment_layout
-from echo_jax.transports.xla import rotated_allreduce, xla_allreduce, xla_allreduce_scaled
+from echo_jax.transports.xla import (rotated_allreduce, xla_allreduce, xla_allreduce_local,
+                                     xla_allreduce_scaled)
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -473,6 +474,12 @@ def _echo_float(x, state, axis, config: EchoConfig, rescale: bool):
     k = comp.Coefficients.from_config(config)
     if state is not None:
         x32 = comp.apply_correction(x32, m, k)
+    if state is not None and plan.config.residual == "local":
+        # The "xla" transport's protocol with each rank's rounding errors (EchoConfig.residual;
+        # plan_with allows no other transport here, and the config no rotation).
+        y32, u = _local_allreduce_f32(x32, factor, axis, num_ranks, plan)
+        new = jax.tree.map(lax.stop_gradient, comp.update_with_residual(u, m, k))
+        return y32.reshape(shape).astype(dtype), comp.shaped_state(new, shape)
     if plan.rotation == "jax":
         # In JAX around the unrotated call: scale, rotate, reduce, rotate back, unscale.
         y32 = _rotated_allreduce_f32(x32, factor, axis, num_ranks, plan)
@@ -503,6 +510,22 @@ def _update_after(x, y, num_ranks, state, plan):
         new = comp.update_beside(x, y, num_ranks, state,
                                  comp.Coefficients.from_config(plan.config), stream)
     return jax.tree.map(lax.stop_gradient, new)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _local_allreduce_f32(x_flat32, factor, axis, num_ranks, plan):
+    """(y32, this rank's local residual u): `transports.xla.xla_allreduce_local`."""
+    return _sealed(xla_allreduce_local, x_flat32, axis, num_ranks, plan.config,
+                   factor=factor)
+
+
+@_local_allreduce_f32.defjvp
+def _local_allreduce_f32_jvp(axis, num_ranks, plan, primals, tangents):
+    # Straight-through for y, as in `_allreduce_f32`; the residual feeds the state, which
+    # carries no derivative.
+    (x, factor), (t, _) = primals, tangents
+    y, u = _local_allreduce_f32(x, factor, axis, num_ranks, plan)
+    return (y, u), (lax.psum(t.astype(jnp.float32), axis), jnp.zeros_like(u))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))

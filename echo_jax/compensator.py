@@ -326,7 +326,14 @@ def update_state(x_prime, y32, num_ranks: int, state: CompensatorState,
     bfloat16; unchanged bits for fp32; codes and scales for int8, `stored_like`).
     """
     t = _no_fma(y32 * np.float32(1.0 / num_ranks))
-    u = x_prime - t
+    return update_with_residual(x_prime - t, state, k)
+
+
+def update_with_residual(u, state: CompensatorState, k: Coefficients) -> CompensatorState:
+    """The two moving averages (Eq. 11) from a residual u (fp32, the state's flat or full
+    shape): m_j = beta_j m_j + (1 - beta_j) u, each product rounded before the sum. Used with
+    u = x' - y/P (`update_state`) and with the local residual (`EchoConfig.residual="local"`,
+    `echo_jax.transports.xla.xla_allreduce_local`). Returns the state's format."""
     m1, m2 = moments(state)
     q1, r1, q2, r2 = _no_fma(k.b1 * m1, k.c1 * u, k.b2 * m2, k.c2 * u)
     return stored_like(q1 + r1, q2 + r2, state)

@@ -20,6 +20,7 @@ BITS = (4, 8)
 ROTATIONS = ("none", "hadamard")
 STATE_DTYPES = ("float32", "bfloat16", "int8")
 STATE_UPDATES = ("in_call", "separate")
+RESIDUALS = ("output", "local")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,16 @@ class EchoConfig:
         matrix multiplication. The residual is then u = x' - y / P with y as returned, in x's
         dtype: the same bits as "in_call" for float32 x; for a 16-bit x the output's rounding is
         fed back too.
+      residual: which residual feeds the averages (Eq. 11). "output" (default): the Echo paper's
+        u = x' - y / P (Eq. 4), formed from the call's output; each rank's u is data-scale, and
+        only their sum over the ranks is the injected error. "local": each rank's own rounding
+        errors, taken where they are made: x' - Q(x') for the segments it sends, and on the
+        segment it owns the sum's error s - Q(s). They sum over the ranks to the same error as
+        the "output" residuals (exactly, up to the fp32 rounding of the sum; the correction is
+        linear in the state, so the aggregate correction C of Eq. 5 is the same), but each is
+        error-scale, and the call needs no pass over x, m1, m2 after the sum: the fused calls
+        update the state where they quantize (`echo_jax.compensator`). Needs rotation="none"
+        and state_update="in_call".
 
     Properties:
       wire_bits_per_element: bits sent per value by one quantized copy, codes plus the 16-bit
@@ -89,6 +100,7 @@ class EchoConfig:
     rotation: str = "none"
     state_dtype: str = "float32"
     state_update: str = "in_call"
+    residual: str = "output"
 
     def __post_init__(self):
         # Numbers arrive as Python or NumPy scalars (np.int64(64), np.float32(0.5), 128.0):
@@ -133,6 +145,18 @@ class EchoConfig:
         if not isinstance(self.state_update, str) or self.state_update not in STATE_UPDATES:
             raise ValueError(f"EchoConfig.state_update must be one of {STATE_UPDATES}, got "
                              f"{self.state_update!r}")
+        if not isinstance(self.residual, str) or self.residual not in RESIDUALS:
+            raise ValueError(f"EchoConfig.residual must be one of {RESIDUALS}, got "
+                             f"{self.residual!r}")
+        if self.residual == "local" and self.rotation != "none":
+            raise ValueError("EchoConfig.residual='local' takes the rounding errors where the "
+                             f"call quantizes, which needs rotation='none' (got rotation="
+                             f"{self.rotation!r}); use residual='output' with a rotation")
+        if self.residual == "local" and self.state_update != "in_call":
+            raise ValueError("EchoConfig.residual='local' updates the state inside the call, "
+                             f"which needs state_update='in_call' (got state_update="
+                             f"{self.state_update!r}); use residual='output' with a separate "
+                             "update")
 
     @property
     def wire_bits_per_element(self) -> float:

@@ -65,7 +65,7 @@ from echo_jax_tools import projection
 #: Rows of `bench allreduce`, in the order they are run and printed.
 ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-rot", "p2p4-rescale", "p2p4-comp-unfused",
         "p2p4-comp-fused", "p2p4-comp-separate", "p2p4-comp-fused-bf16state",
-        "p2p4-comp-fused-int8state", "p2p4-comp-fused-rot")
+        "p2p4-comp-fused-int8state", "p2p4-comp-fused-int8state-local", "p2p4-comp-fused-rot")
 
 ROW_LABELS = {
     "psum": "lax.psum (16-bit baseline)",
@@ -80,6 +80,8 @@ ROW_LABELS = {
                           "(state_update='separate')",
     "p2p4-comp-fused-bf16state": "4-bit + compensator fused, bf16 state (state_dtype='bfloat16')",
     "p2p4-comp-fused-int8state": "4-bit + compensator fused, int8 state (state_dtype='int8')",
+    "p2p4-comp-fused-int8state-local": "4-bit + compensator fused, int8 state, local residual "
+                                       "(residual='local')",
     "p2p4-rot": "4-bit, Hadamard rotation (rotation='hadamard')",
     "p2p4-comp-fused-rot": "4-bit + compensator fused, Hadamard rotation",
 }
@@ -261,6 +263,8 @@ def _configs():
             "comp": ej.EchoConfig(bits=4, transport="p2p"),
             "comp-bf16state": ej.EchoConfig(bits=4, transport="p2p", state_dtype="bfloat16"),
             "comp-int8state": ej.EchoConfig(bits=4, transport="p2p", state_dtype="int8"),
+            "comp-int8state-local": ej.EchoConfig(bits=4, transport="p2p", state_dtype="int8",
+                                                  residual="local"),
             "comp-separate": ej.EchoConfig(bits=4, transport="p2p", state_update="separate"),
             "p2p4-rot": ej.EchoConfig(bits=4, transport="p2p", rotation="hadamard")}
 
@@ -304,12 +308,11 @@ def _mesh_rows(mesh, ranks: int):
                               rescale=False)
         return y, new.m1, new.m2
 
-    def fused_int8(x, m1, m2):
+    def fused_int8(x, m1, m2, cfg=cfgs["comp-int8state"]):
         # A rank's block of the int8 state: codes [1, n], scales [1, groups] -> [groups].
         state = comp.CompensatorState(*(comp.QuantizedMoment(m.codes, m.scales[0])
                                         for m in (m1, m2)))
-        y, new = ej.echo_psum(x, "tp", config=cfgs["comp-int8state"], state=state,
-                              rescale=False)
+        y, new = ej.echo_psum(x, "tp", config=cfg, state=state, rescale=False)
         return (y,) + tuple(comp.QuantizedMoment(m.codes, m.scales[None]) for m in new)
 
     rows = {"psum": (wrap(lambda x: lax.psum(x[0], "tp")[None], 1, 1), None)}
@@ -326,6 +329,8 @@ def _mesh_rows(mesh, ranks: int):
     rows["p2p4-comp-fused-bf16state"] = (lambda v: f_fused_bf16(*v), "bfloat16")
     f_fused_int8 = wrap(fused_int8, 3, 3)
     rows["p2p4-comp-fused-int8state"] = (lambda v: f_fused_int8(*v), "int8")
+    f_fused_local = wrap(functools.partial(fused_int8, cfg=cfgs["comp-int8state-local"]), 3, 3)
+    rows["p2p4-comp-fused-int8state-local"] = (lambda v: f_fused_local(*v), "int8")
     rows["p2p4-comp-fused-rot"] = (lambda v: f_fused_rot(*v), "float32")
     return rows
 
@@ -373,6 +378,8 @@ def _virtual_rows(ranks: int):
         jax.jit(functools.partial(fused, cfg=wire["comp-bf16state"])), "bfloat16")
     rows["p2p4-comp-fused-int8state"] = (
         jax.jit(functools.partial(fused, cfg=wire["comp-int8state"])), "int8")
+    rows["p2p4-comp-fused-int8state-local"] = (
+        jax.jit(functools.partial(fused, cfg=wire["comp-int8state-local"])), "int8")
     rows["p2p4-comp-fused-rot"] = (jax.jit(functools.partial(fused, cfg=wire["p2p4-rot"])),
                                    "float32")
     return rows
@@ -619,7 +626,9 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     state value: 24 + itemsize in fp32, 12 + itemsize in bf16, 6.19 + itemsize in int8 with
     its scales), less the second read of x, m1, m2 in the fused rows' own segment (1/P of the
     values), which the reduce stage can keep from the first (2 s + itemsize over P); the
-    separate update also reads y (one more itemsize). The rescaled
+    separate update also reads y (one more itemsize). With the local residual (rows ending in
+    "-local", `EchoConfig.residual="local"`) the state is read once and written once (4 s):
+    the push and the reduce update it where they quantize. The rescaled
     row reads x once more for its max (itemsize). psum (a local reduction of the P rows under
     vmap here) reads and writes each row once. The "xla" rows run
     the same protocol, so their floor is the p2p row's of equal bits.
@@ -631,11 +640,14 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     per_element = 2 * itemsize + w * (3 * (ranks - 1) / ranks + 1)
     if "comp" in row:
         # int8: a byte a value and a 4-byte scale a 128 values
-        state = 2 if row.endswith("bf16state") else 1 + 4 / 128 if row.endswith(
-            "int8state") else 4
-        per_element += 6 * state + itemsize
-        if "fused" in row:
-            per_element -= (2 * state + itemsize) / ranks
+        state = 2 if "bf16state" in row else 1 + 4 / 128 if "int8state" in row else 4
+        if row.endswith("-local"):
+            # The local residual: m1, m2 read once (where x' is formed) and written once.
+            per_element += 4 * state
+        else:
+            per_element += 6 * state + itemsize
+            if "fused" in row:
+                per_element -= (2 * state + itemsize) / ranks
     if "separate" in row:
         per_element += itemsize
     if "rescale" in row:

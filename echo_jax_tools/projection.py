@@ -3,6 +3,7 @@ r"""Projection of one all-reduce on a real P-GPU NVLink machine from single-GPU 
     python -m echo_jax_tools.bench project [--preset a100-nvlink3|h100-nvlink4|h200-nvlink4|all]
         [--ranks 4,8] [--sizes 64MB,256MB,1GB] [--dtypes float32,bfloat16] [--link-gbps G]
         [--latency-us A] [--hbm-gbps H] [--nccl-busbw-gbps B] [--p2p-eff E] [--state-bytes 4|2|1]
+        [--residual output|local]
         [--kernels-json F|none] [--allreduce-json F|none] [--json OUT] [--png OUT]
 
 This is a model, not a measurement: the project has measured Echo on one GPU only (virtual ranks),
@@ -62,7 +63,9 @@ it to the critical path in full:
     D = max(D_m, 0) / P_v * (S / S_m) * hbm_measured_device / hbm_target
     T(comp) = T(p2p4) + D                              (overlapped and serial alike)
 with T(p2p4) the p2p4 row of this projection. Measured rows: comp-fused <- p2p4-comp-fused
-(fp32 state; p2p4-comp-fused-bf16state with --state-bytes 2), comp-separate <-
+(fp32 state; p2p4-comp-fused-bf16state with --state-bytes 2, p2p4-comp-fused-int8state with
+--state-bytes 1, p2p4-comp-fused-int8state-local with --state-bytes 1 --residual local),
+comp-separate <-
 p2p4-comp-separate (fp32 state). Where the JSON lacks A for p2p4 or the compensated row in the
 projected dtype (or has no such row), the row is not projected: its times are null, and the
 table and the JSON's not_projected say why.
@@ -165,6 +168,10 @@ MEASURED_COMP_ROWS = {
     ("comp-fused", 2.0): "p2p4-comp-fused-bf16state",
     ("comp-fused", 1.0): "p2p4-comp-fused-int8state",
     ("comp-separate", 4.0): "p2p4-comp-separate",
+}
+#: The same with the local residual (`EchoConfig.residual="local"`, --residual local).
+MEASURED_LOCAL_COMP_ROWS = {
+    ("comp-fused", 1.0): "p2p4-comp-fused-int8state-local",
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -564,7 +571,8 @@ def measured_hbm_gbps(eff: Efficiency, row: str, size_bytes: int, target_hbm_gbp
 
 
 def measured_comp_extra(eff: Efficiency, row: str, size_bytes: int, dtype: str,
-                        target_hbm_gbps: float, state_bytes: float = 4.0) -> dict:
+                        target_hbm_gbps: float, state_bytes: float = 4.0,
+                        residual: str = "output") -> dict:
     """What a compensated row adds over p2p4 on the target, from measured added times.
 
     D_m = A(measured row) - A(p2p4) at the measured size S_m nearest to S (log scale) among those
@@ -574,16 +582,19 @@ def measured_comp_extra(eff: Efficiency, row: str, size_bytes: int, dtype: str,
     Args:
       eff: the loaded Efficiency; row: "comp-fused" or "comp-separate"; size_bytes: S per rank;
       dtype: the projected dtype (the measurement must be in it); target_hbm_gbps: datasheet HBM
-      of the projected machine; state_bytes: 4 (fp32 state), 2 (bf16) or 1 (int8).
+      of the projected machine; state_bytes: 4 (fp32 state), 2 (bf16) or 1 (int8);
+      residual: "output" or "local" (`EchoConfig.residual`; MEASURED_LOCAL_COMP_ROWS).
 
     Returns:
       dict(measured_row, measured_size_bytes, measured_ranks, added_s, p2p4_added_s,
       extra_measured_s (D_m), extra_s (D)); or dict(not_projected=reason) when the added time
       was not measured.
     """
-    measured_row = MEASURED_COMP_ROWS.get((row, float(state_bytes)))
+    table = MEASURED_LOCAL_COMP_ROWS if residual == "local" else MEASURED_COMP_ROWS
+    measured_row = table.get((row, float(state_bytes)))
     if measured_row is None:
-        return {"not_projected": f"no measured row for {row} with a {state_bytes:g}-byte state"}
+        return {"not_projected": f"no measured row for {row} with a {state_bytes:g}-byte state "
+                                 f"and the {residual} residual"}
     sizes = [s for (r, s, d) in eff.added
              if r == measured_row and d == dtype and ("p2p4", s, dtype) in eff.added]
     if not sizes:
@@ -606,13 +617,14 @@ def measured_comp_extra(eff: Efficiency, row: str, size_bytes: int, dtype: str,
 
 def project_one(link: Link, row: str, size_bytes: int, ranks: int, dtype: str,
                 eff: Efficiency, *, group_size: int = 128, policy: str = "asym",
-                state_bytes: float = 4.0) -> dict:
+                state_bytes: float = 4.0, residual: str = "output") -> dict:
     """Projected time of one all-reduce row on one machine.
 
     Args:
       link: the machine (Link); row: one of ROWS; size_bytes: S per rank in `dtype`;
       ranks: P; dtype: "float32" or "bfloat16"; eff: HBM efficiencies (load_efficiency);
-      group_size, policy: the wire format; state_bytes: compensator state bytes per value.
+      group_size, policy: the wire format; state_bytes: compensator state bytes per value;
+      residual: the compensator's residual ("output" or "local", `EchoConfig.residual`).
 
     Returns:
       dict(row, size_bytes, ranks, dtype, link_s, hbm_s, overlapped_s, serial_s, hbm_source):
@@ -632,7 +644,8 @@ def project_one(link: Link, row: str, size_bytes: int, ranks: int, dtype: str,
                 "hbm_source": "none"}
     if row.startswith("comp-"):
         # p2p4 plus the measured added time over p2p4, on the critical path in full.
-        extra = measured_comp_extra(eff, row, size_bytes, dtype, link.hbm_gbps, state_bytes)
+        extra = measured_comp_extra(eff, row, size_bytes, dtype, link.hbm_gbps, state_bytes,
+                                    residual)
         if "not_projected" in extra:
             return {**out, "link_s": None, "hbm_s": None, "overlapped_s": None, "serial_s": None,
                     "hbm_source": None, **extra}
@@ -674,12 +687,12 @@ def project_one(link: Link, row: str, size_bytes: int, ranks: int, dtype: str,
 
 
 def project(links, sizes, ranks, dtypes, eff: Efficiency, *, group_size: int = 128,
-            policy: str = "asym", state_bytes: float = 4.0) -> dict:
+            policy: str = "asym", state_bytes: float = 4.0, residual: str = "output") -> dict:
     """The projection over machines x ranks x dtypes x sizes x ROWS.
 
     Args:
       links: Link objects; sizes: bytes per rank; ranks: P values; dtypes: dtype names;
-      eff: HBM efficiencies; group_size, policy, state_bytes: as in project_one.
+      eff: HBM efficiencies; group_size, policy, state_bytes, residual: as in project_one.
 
     Returns:
       dict(benchmark="project", presets, rows, anchors, sources, inputs, not_projected, ...):
@@ -695,7 +708,8 @@ def project(links, sizes, ranks, dtypes, eff: Efficiency, *, group_size: int = 1
                     psum = None
                     for row in ROWS:
                         r = project_one(link, row, size, P, dtype, eff, group_size=group_size,
-                                        policy=policy, state_bytes=state_bytes)
+                                        policy=policy, state_bytes=state_bytes,
+                                        residual=residual)
                         r["preset"] = link.name
                         psum = psum or r["overlapped_s"]
                         if r["overlapped_s"] is None:
@@ -710,6 +724,7 @@ def project(links, sizes, ranks, dtypes, eff: Efficiency, *, group_size: int = 1
         "note": "a projection from a link model and single-GPU measurements, not a measurement",
         "presets": [dataclasses.asdict(link) for link in links],
         "group_size": group_size, "policy": policy, "state_bytes": state_bytes,
+        "residual": residual,
         "copy_eff": eff.copy_eff,
         "kernel_eff": {f"{op} {b}-bit {d}": v for (op, b, d), v in eff.kernel_eff.items()},
         "sources": eff.sources,
@@ -885,6 +900,10 @@ def add_arguments(p) -> None:
                    help="compensator state bytes per value: 4 (fp32, default), 2 (bf16) or 1 "
                         "(int8 codes, plus a 4-byte scale a 128 values); picks the measured "
                         "compensated rows (MEASURED_COMP_ROWS)")
+    p.add_argument("--residual", choices=("output", "local"), default="output",
+                   help="the compensator's residual (EchoConfig.residual): output (default) or "
+                        "local, whose measured row is p2p4-comp-fused-int8state-local "
+                        "(with --state-bytes 1)")
     p.add_argument("--group-size", type=int, default=128, help="g (default: %(default)s)")
     p.add_argument("--policy", choices=policies.NAMES, default="asym",
                    help="quantizer policy, sets the per-group parameter bytes (default: asym)")
@@ -927,7 +946,7 @@ def run(args) -> dict:
     result = {**provenance(getattr(args, "argv", None)),
               **project(links_from_args(args), args.sizes, args.ranks, args.dtypes, eff,
                         group_size=args.group_size, policy=args.policy,
-                        state_bytes=args.state_bytes)}
+                        state_bytes=args.state_bytes, residual=args.residual)}
     print(format_table(result))
     if args.json:
         write_json(args.json, result)

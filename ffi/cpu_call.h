@@ -55,6 +55,10 @@ struct CallConfig {
   bool compensated;     // the apply step x' = x + c where x is loaded (m1, m2 operands)
   bool update;          // compensated: the update step too, where y is produced (m1_out, m2_out)
   bool rotate;          // the randomized Hadamard rotation of every group (attribute rotate)
+  // update: the averages take this rank's local rounding errors (attribute residual_local,
+  // EchoConfig.residual = "local"), updated where the call quantizes (push, reduce) instead of
+  // from u = x' - y / P where y is produced.
+  bool residual_local;
   float hadamard_f;     // fp32(1 / sqrt(g)) of the rotation (echo::hadamard_scale)
   echo::CompCoeffs k;
   uint64_t signature;   // hash of the shape and format, compared between the ranks of a call
@@ -161,6 +165,23 @@ ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, ff
   ECHO_FFI_CHECK(rotate == 0 || (g & (g - 1)) == 0, kWhere, "attribute 'rotate' is 1 but "
                  "group_size=", g, " is not a power of two (one Hadamard block per group)");
   c.rotate = rotate == 1;
+  // Read with the update's coefficients only (0 for the uncompensated call). The local residual
+  // is each rank's rounding error where it quantizes, in the basis the wire carries, so it needs
+  // the unrotated protocol and a call that writes the state.
+  ECHO_FFI_RETURN_IF_ERROR(CheckAttrInRange<int64_t>(
+      at.residual_local, "residual_local", 0, 1, kWhere,
+      "1: the averages take each rank's local rounding errors (EchoConfig.residual='local'), "
+      "0: u = x' - y / P"));
+  ECHO_FFI_CHECK(at.residual_local == 0 || c.update, kWhere,
+                 "attribute 'residual_local' is 1 on the applied call, which does not update the "
+                 "state (EchoConfig.state_update='separate'); pass residual_local=0 "
+                 "(EchoConfig.residual='output'), or run the compensated call "
+                 "(state_update='in_call')");
+  ECHO_FFI_CHECK(at.residual_local == 0 || !c.rotate, kWhere,
+                 "attribute 'residual_local' is 1 with rotate=1: the local residual is taken where "
+                 "the call quantizes, which needs the unrotated protocol; pass rotate=0 "
+                 "(EchoConfig.rotation='none') or residual_local=0 (EchoConfig.residual='output')");
+  c.residual_local = at.residual_local == 1;
   c.hadamard_f = c.rotate ? echo::hadamard_scale(g) : 1.0f;
   c.k = at.k;
   c.num_ranks = static_cast<int>(num_ranks);
@@ -178,7 +199,8 @@ ffi::ErrorOr<CallConfig> ParseConfig(const Dictionary_Type& attrs, int64_t n, ff
                      static_cast<uint64_t>(bits), static_cast<uint64_t>(g),
                      static_cast<uint64_t>(policy), static_cast<uint64_t>(compensated),
                      static_cast<uint64_t>(dtype), static_cast<uint64_t>(rotate),
-                     static_cast<uint64_t>(c.update)}) {
+                     static_cast<uint64_t>(c.update),
+                     static_cast<uint64_t>(c.residual_local)}) {
     h = Mix(h, v);
   }
   c.signature = h;

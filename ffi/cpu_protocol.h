@@ -145,6 +145,68 @@ inline void StoreStateGroup(void* m, float* s, int64_t k0, const float* v, int c
   s[k0 / echo::kStateGroup] = sc.s;
 }
 
+// A new state value pair of element k (t-th of its group): kept in the group's buffers for an
+// int8 state (StoreStateGroups stores a group's values, then its scale), else stored now.
+inline void PutStatePair(const RankIO& io, int64_t k, int t, float n1, float n2,
+                         std::vector<float>& new1, std::vector<float>& new2) {
+  if (io.state == StateFormat::kQ8) {
+    new1[t] = n1;
+    new2[t] = n2;
+  } else {
+    StoreState(io, io.m1_out, k, n1);
+    StoreState(io, io.m2_out, k, n2);
+  }
+}
+
+// kQ8: the group's new m1, m2 (count values from element k0), codes and then scales. A wire
+// group is one state group (group_size == kStateGroup, k0 a multiple of it), whose old scale
+// every load of the group has read before.
+inline void StoreStateGroups(const RankIO& io, int64_t k0, const std::vector<float>& new1,
+                             const std::vector<float>& new2, int count) {
+  if (io.state != StateFormat::kQ8) return;
+  StoreStateGroup(io.m1_out, io.s1_out, k0, new1.data(), count);
+  StoreStateGroup(io.m2_out, io.s2_out, k0, new2.data(), count);
+}
+
+// The local residual's update (cfg.residual_local, EchoConfig.residual = "local") of the wire
+// group that starts at element k0: v are the g values the call quantized (x' or the segment sum,
+// times the factor) and dec what their code decodes to (what the owner adds, or what every rank
+// receives), so u = (v - dec) * (1 / factor): one fp32 difference, then the exact product, as in
+// echo_jax.transports.xla.xla_allreduce_local. Elements past n (padding) have no state. The
+// caller has already read this group's old state for the apply step; the old m1, m2 are read
+// again here, each before its own store (m1_out may alias m1). Eq. 11 is the arithmetic of
+// echo::comp_update_residual (compensator.update_with_residual).
+inline void UpdateLocalGroup(const CallConfig& cfg, const RankIO& io, int64_t k0, const float* v,
+                             const float* dec) {
+  if (k0 >= cfg.n) return;
+  const int count = static_cast<int>(std::min<int64_t>(cfg.group_size, cfg.n - k0));
+  thread_local std::vector<float> new1, new2;  // kQ8: the group's updated m1, m2
+  if (io.state == StateFormat::kQ8) {
+    new1.resize(cfg.group_size);
+    new2.resize(cfg.group_size);
+  }
+  for (int t = 0; t < count; ++t) {
+    const int64_t k = k0 + t;
+    const float u = echo::mul_rn(echo::sub_rn(v[t], dec[t]), io.inv_factor);
+    float n1, n2;
+    echo::comp_update_residual(u, LoadM1(io, k), LoadM2(io, k), cfg.k, &n1, &n2);
+    PutStatePair(io, k, t, n1, n2, new1, new2);
+  }
+  StoreStateGroups(io, k0, new1, new2, count);
+}
+
+// Quantizes the g values v of the group at element k0 into its codes gc and parameters gp and,
+// with cfg.residual_local, updates the group's state from v - D(Q(v)) (dec: g floats of room).
+inline void QuantizeGroup(const CallConfig& cfg, const RankIO& io, int64_t k0, const float* v,
+                          uint8_t* gc, uint16_t* gp, float* dec) {
+  const int g = cfg.group_size;
+  echo::quantize_group(v, g, cfg.bits, cfg.policy, gc, gp);
+  if (cfg.residual_local && k0 < cfg.n) {
+    echo::dequantize_group(gc, gp, g, cfg.bits, cfg.policy, dec);
+    UpdateLocalGroup(cfg, io, k0, v, dec);
+  }
+}
+
 // Element k of x in fp32 (exact for each of the three dtypes: the x.astype(f32) of the reference).
 inline float LoadX(const CallConfig& cfg, const RankIO& io, int64_t k) {
   switch (cfg.dtype) {
@@ -201,31 +263,39 @@ inline uint8_t* SlotCodes(const CallConfig& cfg, uint8_t* slot) {
 
 // Quantizes segment `seg` of this rank's contribution into a slot laid out as
 // [Gs * nparams 16-bit parameters (bf16 scale, fp16 zero-point)][Gs * g*bits/8 code bytes].
+// With cfg.residual_local it also updates the state of the segment's elements from their push
+// error: each group's codes are decoded as its owner will decode them (this rank reads those
+// elements nowhere else, so their state is final here).
 void QuantizeSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t* slot,
                      std::vector<float>& buf) {
   const int g = cfg.group_size;
   uint16_t* params = SlotParams(slot);
   uint8_t* codes = SlotCodes(cfg, slot);
+  thread_local std::vector<float> dec;  // residual_local: the decoded group
+  if (cfg.residual_local) dec.resize(g);
   for (int64_t gi = 0; gi < cfg.seg_groups; ++gi) {
     const int64_t k0 = seg * cfg.seg_elems + gi * g;
     LoadGroup(cfg, io, k0, buf.data());
-    echo::quantize_group(buf.data(), g, cfg.bits, cfg.policy, codes + gi * cfg.code_bytes,
-                         params + gi * cfg.nparams);
+    QuantizeGroup(cfg, io, k0, buf.data(), codes + gi * cfg.code_bytes,
+                  params + gi * cfg.nparams, dec.data());
   }
 }
 
 // Dequantizes the codes of segment `seg` into y (unpadded part, stored in y's dtype) and, for the
 // compensated call (not the applied one), runs the state update of those elements (the update
-// step, inside the call) with the fp32 sum, before its rounding to a 16-bit y. With cfg.rotate every group is decoded
-// whole (the padding positions of a last partial group included) and rotated back before it is
-// divided by the factor and its first values are stored. `buf` holds g floats.
+// step, inside the call) with the fp32 sum, before its rounding to a 16-bit y. With
+// cfg.residual_local the state was updated where the call quantized (push, reduce), so this
+// stores y only. With cfg.rotate every group is decoded whole (the padding positions of a last
+// partial group included) and rotated back before it is divided by the factor and its first
+// values are stored. `buf` holds g floats.
 void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t* slot,
                    std::vector<float>& buf) {
   const int g = cfg.group_size;
   const uint16_t* params = SlotParams(slot);
   const uint8_t* codes = SlotCodes(cfg, slot);
+  const bool update = cfg.update && !cfg.residual_local;  // u = x' - y / P (Eq. 4)
   thread_local std::vector<float> new1, new2;  // kQ8: a group's updated m1, m2
-  if (io.state == StateFormat::kQ8) {
+  if (update && io.state == StateFormat::kQ8) {
     new1.resize(g);
     new2.resize(g);
   }
@@ -245,27 +315,16 @@ void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t
       // Back to the original units: y and the state update never see the factor.
       const float y = echo::mul_rn(buf[t], io.inv_factor);
       StoreY(cfg, io, k, y);
-      if (cfg.update) {
+      if (update) {
         const float m1 = LoadM1(io, k);  // read before writing: m1_out may alias m1
         const float m2 = LoadM2(io, k);
         const float xp = echo::comp_apply(LoadX(cfg, io, k), m1, m2, cfg.k);
         float n1, n2;
         echo::comp_update(xp, y, m1, m2, cfg.k, &n1, &n2);
-        if (io.state == StateFormat::kQ8) {  // the group's values first, then its scale
-          new1[t] = n1;
-          new2[t] = n2;
-        } else {
-          StoreState(io, io.m1_out, k, n1);
-          StoreState(io, io.m2_out, k, n2);
-        }
+        PutStatePair(io, k, t, n1, n2, new1, new2);
       }
     }
-    // kQ8: a wire group is one state group (ParseConfig: group_size == kStateGroup), whose
-    // old scale was read above, before these stores.
-    if (cfg.update && io.state == StateFormat::kQ8) {
-      StoreStateGroup(io.m1_out, io.s1_out, k0, new1.data(), count);
-      StoreStateGroup(io.m2_out, io.s2_out, k0, new2.data(), count);
-    }
+    if (update) StoreStateGroups(io, k0, new1, new2, count);
   }
 }
 
@@ -363,8 +422,11 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
           for (int t = 0; t < g; ++t) acc[t] = echo::add_rn(acc[t], tmp[t]);
         }
       }
-      echo::quantize_group(acc.data(), g, cfg.bits, cfg.policy, out_codes + gi * cfg.code_bytes,
-                           out_params + gi * cfg.nparams);
+      // The owned elements' local residual is the sum's rounding error s - Q(s), against the
+      // code every rank decodes. Their old state was read by LoadGroup (r == me) above, the only
+      // read of it in this call, so it is overwritten after that.
+      QuantizeGroup(cfg, io, k0, acc.data(), out_codes + gi * cfg.code_bytes,
+                    out_params + gi * cfg.nparams, tmp.data());
     }
   }
   ws.flag(me).store(base + 1, std::memory_order_release);  // our receive slots are free again

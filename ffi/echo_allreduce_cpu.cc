@@ -30,6 +30,16 @@
 // bf16 (EchoConfig.state_dtype; widened exactly on load, the update in fp32 rounded to nearest
 // even on store) and is updated with the fp32 sum, before its rounding.
 //
+// Local residual (attribute residual_local = 1, EchoConfig.residual = "local"; the compensated
+// call only, without rotation): the averages take each rank's own rounding errors instead of
+// u = x' - y / P (Eq. 4), and they are updated where the call quantizes rather than in the tail.
+// In push, every group this rank quantizes is decoded again (as its owner will decode it) and
+// u = x' f - D(Q(x' f)) updates the state of its elements; in reduce, the owned segment's
+// u = s - D(Q(s)) with s the fp32 sum in rank order, against the code every rank decodes, after
+// the own x' was loaded into the sum (its only read of the state). Both residuals are then
+// divided by the factor f (exact); the tail stores y only. The reference, bit for bit, is
+// echo_jax.transports.xla.xla_allreduce_local with compensator.update_with_residual.
+//
 // Rescaling (the Echo paper Sec. 5.4): the factor operand, a power of two shared by the ranks,
 // multiplies x' (after the apply step) where it is loaded and divides the fp32 sum before it is
 // stored and before the state update, so y and m1, m2 stay in x's units; both products are exact
@@ -515,7 +525,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(echo_allreduce_cpu, echo::cpu::EchoAllReduceCpuImp
                               echo::cpu::BindCpuCall<echo::CallState::kNone>());
 
 // echo_allreduce_comp_cpu (platform "cpu"): Algorithm 1 fused into the all-reduce; attributes
-// as above plus the compensator's seven coefficients.
+// as above plus the compensator's seven coefficients and residual_local (1: the local residual).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(echo_allreduce_comp_cpu, echo::cpu::EchoAllReduceCompCpuImpl,
                               echo::cpu::BindCpuCall<echo::CallState::kCompensated>());
 
@@ -526,6 +536,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(echo_allreduce_comp_q8_cpu, echo::cpu::EchoAllRedu
 
 // echo_allreduce_applied_cpu (platform "cpu"): the apply step fused into the all-reduce, the
 // update left to its own op (EchoConfig.state_update = "separate"); the compensated call's
-// attributes (its b1, c1, b2, c2, inv_p are not used).
+// attributes (its b1, c1, b2, c2, inv_p are not used; residual_local must be 0).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(echo_allreduce_applied_cpu, echo::cpu::EchoAllReduceAppliedCpuImpl,
                               echo::cpu::BindCpuCall<echo::CallState::kApplied>());

@@ -54,6 +54,10 @@ struct AllReduceAttrs {
   ECHO_ALLREDUCE_ATTRS(ECHO_ATTR_FIELD)
 #undef ECHO_ATTR_FIELD
   CompCoeffs k;  // those not read: 0, and inv_p = f32(1 / P)
+  // With the update's coefficients: 1 when the averages take each rank's local rounding errors
+  // (EchoConfig.residual = "local": x' - Q(x') where the call pushes, s - Q(s) on the owned
+  // segment), 0 for the Echo paper's u = x' - y / P (Eq. 4).
+  int64_t residual_local = 0;
 };
 
 // Reads the table's attributes (and the coefficients `which` asks for) with the errors of
@@ -74,6 +78,7 @@ inline ffi::ErrorOr<AllReduceAttrs> ParseAllReduceAttrs(const Dictionary_Type& a
   }
   if (which == Coefficients::kAll) {
     ECHO_UPDATE_ATTRS(ECHO_COEFF_READ)
+    ECHO_FFI_ASSIGN_OR_RETURN(a.residual_local, GetAttr<int64_t>(attrs, "residual_local", where));
   }
 #undef ECHO_COEFF_READ
 #undef ECHO_ATTR_READ

@@ -429,17 +429,23 @@ ECHO_HD float comp_apply(float x, float m1, float m2, const CompCoeffs& k) {
   return add_rn(x, add_rn(p1, p2));
 }
 
-// Eq. 4 and Eq. 11: u = x' - y * (1/P); m1 = b1 m1 + c1 u; m2 = b2 m2 + c2 u (rounded products).
-ECHO_HD void comp_update(float x_prime, float y, float m1, float m2, const CompCoeffs& k,
-                         float* m1_out, float* m2_out) {
-  const float t = mul_rn(y, k.inv_p);
-  const float u = sub_rn(x_prime, t);
+// Eq. 11 from a residual u: m1 = b1 m1 + c1 u; m2 = b2 m2 + c2 u (rounded products). With
+// u = x' - y / P (comp_update) or a rank's local rounding error (EchoConfig.residual = "local").
+ECHO_HD void comp_update_residual(float u, float m1, float m2, const CompCoeffs& k,
+                                  float* m1_out, float* m2_out) {
   const float q1 = mul_rn(k.b1, m1);
   const float r1 = mul_rn(k.c1, u);
   const float q2 = mul_rn(k.b2, m2);
   const float r2 = mul_rn(k.c2, u);
   *m1_out = add_rn(q1, r1);
   *m2_out = add_rn(q2, r2);
+}
+
+// Eq. 4 and Eq. 11: u = x' - y * (1/P), then comp_update_residual.
+ECHO_HD void comp_update(float x_prime, float y, float m1, float m2, const CompCoeffs& k,
+                         float* m1_out, float* m2_out) {
+  const float t = mul_rn(y, k.inv_p);
+  comp_update_residual(sub_rn(x_prime, t), m1, m2, k, m1_out, m2_out);
 }
 
 // The int8 state (EchoConfig.state_dtype = "int8"; echo_jax/compensator.py state_scale /

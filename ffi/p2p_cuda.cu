@@ -76,10 +76,12 @@ constexpr const char* kWhere = "p2p (CUDA)";  // errors read "echo_jax p2p (CUDA
 ffi::ErrorOr<CallAttrs> read_attrs(const Dictionary_Type& attrs, Coefficients which,
                                    const F32Buffer_Type& factor) {
   ECHO_FFI_ASSIGN_OR_RETURN(const AllReduceAttrs a, ParseAllReduceAttrs(attrs, which, kWhere));
-  return CallAttrs{static_cast<int>(a.bits), static_cast<int>(a.group_size),
-                   static_cast<int>(a.policy), static_cast<int>(a.num_ranks),
-                   std::max<int64_t>(1, a.timeout_ms), a.rotate, a.k,
-                   factor.element_count() == 1 ? factor.typed_data() : nullptr, false, true};
+  CallAttrs at{static_cast<int>(a.bits), static_cast<int>(a.group_size),
+               static_cast<int>(a.policy), static_cast<int>(a.num_ranks),
+               std::max<int64_t>(1, a.timeout_ms), a.rotate, a.k,
+               factor.element_count() == 1 ? factor.typed_data() : nullptr, false, true};
+  at.residual_local = a.residual_local != 0;
+  return at;
 }
 
 // Where a call's ranks are: one a GPU, inside shard_map (attribute groups: the device ordinals of

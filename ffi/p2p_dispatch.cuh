@@ -47,6 +47,17 @@ ffi::Error run_rank(Group& grp, int rank, cudaStream_t stream, const CallAttrs& 
   if (fast_ok && aligned && fast::has_fast_policy(at.policy) && !fast::generic_kernels_forced()) {
     kernel = fast_kernel_of<T>(at, COMP);  // compiled in its own unit (p2p_instances.cuh)
   }
+  if (at.residual_local && (!at.state_q8 || kernel == nullptr)) {
+    // The local residual is formed where the fast int8-state stages quantize; the generic
+    // stages and the other states' instances have no such update.
+    return ffi::Error::InvalidArgument(
+        "echo_jax p2p (CUDA): the local residual (attribute residual_local = 1, "
+        "EchoConfig.residual='local') runs in the fast stages with the int8 state only: "
+        "state_dtype='int8', group_size " + std::to_string(kStateGroup) + ", rotation 'none', "
+        "16-byte aligned x, y, m1, m2 and ECHO_JAX_GENERIC_QUANT unset; got group_size " +
+        std::to_string(at.g) + (at.state_q8 ? "" : " and a float state") +
+        " (use residual='output' otherwise)");
+  }
   if (kernel == nullptr && at.state_q8) {  // the generic stages take no int8 state
     return ffi::Error::InvalidArgument(
         "echo_jax p2p (CUDA): the int8 state runs in the fast stages only: group_size " +

@@ -38,7 +38,14 @@ namespace {
 // (EchoConfig.state_update = "separate": the apply step alone, m1 and m2 only read). A template
 // parameter: as a run-time flag (a uniform branch) it raised the compensated instances'
 // registers (64 -> 79-90, 80 -> 89-95, ptxas sm_90a); the generic stages take it likewise.
-template <typename T, int G, int BITS, bool COMP, bool ROT, typename S = float, bool UPDATE = COMP>
+// LOCAL (the int8 state, unrotated): the averages take this rank's local rounding errors
+// (EchoConfig.residual = "local", echo_jax.transports.xla.xla_allreduce_local), updated where
+// they are made: the push updates the state of the segments it sends from x' - Q(x') (push_local),
+// the reduce the own segment's from s - Q(s), and the tail only stores y. Why: the update where
+// y is produced reads x, m1, m2 again and writes m1, m2 (6 s + e bytes a value for an s-byte
+// state value); here the entry's reads serve the update too (4 s bytes).
+template <typename T, int G, int BITS, bool COMP, bool ROT, typename S = float, bool UPDATE = COMP,
+          bool LOCAL = false>
 struct FastStages {
   // Two loads a lane: the stages hold a piece's values, state and output at once (registers).
   // One in the compensated 16-bit instances: with two, the unrotated ones' update's prefetched
@@ -63,7 +70,8 @@ struct FastStages {
   // unrotated 16-bit ones (_APPLIED_16) and the int8 state's fp32-x and rotated ones (_Q8);
   // 1: no bound.
   static constexpr int kMinBlocks =
-      COMP ? (kStateQ8 ? (!ROT && sizeof(T) == 2 ? 1 : ECHO_P2P_MIN_BLOCKS_Q8)
+      COMP ? (kStateQ8 ? (!ROT && sizeof(T) == 2 ? (LOCAL ? ECHO_P2P_MIN_BLOCKS_LOCAL_16 : 1)
+                                                 : ECHO_P2P_MIN_BLOCKS_Q8)
               : !UPDATE && !ROT && sizeof(T) == 2 ? ECHO_P2P_MIN_BLOCKS_APPLIED_16 : 1)
       : ROT ? (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_ROT_32 : ECHO_P2P_MIN_BLOCKS_ROT_16)
             : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);
@@ -100,6 +108,7 @@ struct FastStages {
   // A wire group is one state group, and the scale is set where the group is updated.
   static_assert(!kStateQ8 || (COMP && UPDATE && G == kStateGroup && kLoads == 1),
                 "the int8 state: the compensated call, g = kStateGroup, one piece a lane");
+  static_assert(!LOCAL || (kStateQ8 && !ROT), "the local residual: the int8 state, unrotated");
 
   // kVec values of m (m1 or m2; s its scales for the int8 state) at element e as fp32; 0 past
   // n. A bf16 state (kVec * 2 bytes: one 8- or 16-byte access) is widened exactly; an int8 one
@@ -445,8 +454,8 @@ struct FastStages {
       for (int t = 0; t < kVec; ++t)
         if (e + t < a.n) out[e + t] = from_f32<T>(y[t]);
     }
-    if constexpr (COMP && UPDATE) {  // the applied call leaves the update to its own op
-      float n1[kVec], n2[kVec];
+    if constexpr (COMP && UPDATE && !LOCAL) {  // the applied call: the update is its own op;
+      float n1[kVec], n2[kVec];                   // LOCAL: push and reduce updated the state
 #pragma unroll
       for (int t = 0; t < kVec; ++t) {
         const float xp = comp_apply(in.x[t], in.m1[t], in.m2[t], a.k);
@@ -537,11 +546,67 @@ struct FastStages {
     }
   }
 
+  // The local residual's update of a piece (LOCAL): u = (v - decoded) / f for the kVec values v
+  // as quantized (scaled) and the values their codes decode to, then Eq. 11 from the state as
+  // read at entry, stored as int8 codes (store_state_pair: every lane of the group together).
+  __device__ __forceinline__ static void update_local(const KernelArgs& a, int64_t e,
+                                                      const float* v, const float* decoded,
+                                                      const float* m1, const float* m2) {
+    const float inv = unscale_of(a);
+    float n1[kVec], n2[kVec];
+#pragma unroll
+    for (int t = 0; t < kVec; ++t)
+      comp_update_residual(mul_rn(sub_rn(v[t], decoded[t]), inv), m1[t], m2[t], a.k, &n1[t],
+                           &n2[t]);
+    store_state_pair(a, e, n1, n2);
+  }
+
+  // push with the local residual (LOCAL: the int8 state, one piece a lane): x, m1, m2 loaded
+  // once, x' quantized and sent, and the state of these values updated from x' - Q(x') (the
+  // value the owner decodes) while m1, m2 are still in registers.
+  __device__ static void push_local(const KernelArgs& a, int seg, int64_t first, int count,
+                                    int64_t local0, int warp, int warps, int lane) {
+    const int j = lane % kLanes;
+    uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
+    uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
+    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
+      const int q = q0 + lane / kLanes;
+      const bool valid = q < count;
+      const int64_t e = (seg * a.seg_groups + first + q) * G + L::index(j, 0, 0);
+      float v[kLoads][kVec], m1[kVec], m2[kVec];
+      if (valid) {
+        load_x_and_state(a, e, v[0], m1, m2);
+      } else {
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) v[0][t] = m1[t] = m2[t] = 0.0f;
+      }
+      apply_and_scale(a, v[0], m1, m2);
+      uint32_t wire;
+      const fast::Encoder enc = group_encoder(a, v, &wire);  // every lane: shuffles
+      if (!valid) continue;  // a group's lanes leave together (store_state_pair's shuffles)
+      if (j == 0) fast::store_wire(prm, local0 + q, a.policy, wire);
+      const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
+      uint32_t codes[kVec];
+      float decoded[kVec];
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        codes[t] = fast::encode<BITS>(v[0][t], enc) & enc.mask;
+        decoded[t] = fast::decode_fast(codes[t], d);  // what the owner decodes
+      }
+      fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, j, 0), codes, 0xFFFFFFFFu);
+      update_local(a, e, v[0], decoded, m1, m2);
+    }
+  }
+
   // push: quantize the tile's groups of segment seg into owner seg's push slot for this rank.
   __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
     if constexpr (!COMP && !ROT && sizeof(T) == 4) {
       push_plain(a, seg, first, count, local0, warp, warps, lane);
+      return;
+    }
+    if constexpr (LOCAL) {
+      push_local(a, seg, first, count, local0, warp, warps, lane);
       return;
     }
     const int j = lane % kLanes;
@@ -727,6 +792,8 @@ struct FastStages {
             fast::store_piece<kVec, BITS>(a.ws[r] + gather_slot(a.me, a.P, a.slot_bytes) +
                                               piece_byte(local, j, k),
                                           codes, 0xFFFFFFFFu);
+          // LOCAL: the own segment's residual is the sum's rounding error s - Q(s).
+          if constexpr (LOCAL) update_local(a, e0 + L::index(j, k, 0), acc[k], y, in[k].m1, in[k].m2);
           store_output(a, e0 + L::index(j, k, 0), y, in[k]);
         }
       }
@@ -807,7 +874,7 @@ struct FastStages {
       for (int k = 0; k < kLoads; ++k)  // every load of the group before the first store
         words[k] = fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k));
       UpdateIn in[kLoads];
-      prefetch_update(a, e0, j, in);
+      if constexpr (!LOCAL) prefetch_update(a, e0, j, in);  // LOCAL: the state is updated
       const DequantParams d = kDecodeLate ? fast::decoder_of<BITS>(wire, a.policy) : d_early;
 #pragma unroll
       for (int k = 0; k < kLoads; ++k) {

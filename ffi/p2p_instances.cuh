@@ -59,6 +59,14 @@ void (*fast_kernel_for(int g))(KernelArgs) {
   return kernel;
 }
 
+// The int8 state's instance with the local residual (EchoConfig.residual = "local"): unrotated,
+// g = kStateGroup.
+template <typename T, int BITS>
+void (*fast_local_kernel(int g))(KernelArgs) {
+  if (g != kStateGroup) return nullptr;
+  return kernel_of<FastStages<T, kStateGroup, BITS, true, false, int8_t, true, true>, T>();
+}
+
 template <typename T, bool COMP, bool ROT, typename S = float, bool UPDATE = COMP>
 void (*fast_kernel_for_bits(int bits, int g))(KernelArgs) {
   return bits == 4 ? fast_kernel_for<T, COMP, ROT, S, UPDATE, 4, 32, 64, 128, 256>(g)
@@ -77,6 +85,10 @@ void (*fast_compensated_kernel(const CallAttrs& at))(KernelArgs) {
 template <typename T>
 void (*fast_q8_kernel(const CallAttrs& at))(KernelArgs) {
   if (at.g != kStateGroup || !at.update) return nullptr;
+  if (at.residual_local) {
+    if (at.rotate) return nullptr;
+    return at.bits == 4 ? fast_local_kernel<T, 4>(at.g) : fast_local_kernel<T, 8>(at.g);
+  }
   if (at.rotate)
     return at.bits == 4 ? fast_kernel_for<T, true, true, int8_t, true, 4, kStateGroup>(at.g)
                         : fast_kernel_for<T, true, true, int8_t, true, 8, kStateGroup>(at.g);

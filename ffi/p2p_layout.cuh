@@ -57,6 +57,12 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 // bound to 4; the rotated ones (79-80 registers) were not timed bound. The unrotated 16-bit
 // ones take no bound: ptxas gives them 64 registers (4 blocks an SM) by itself, and a bound of
 // 4 adds spills.
+// The int8 state's unrotated 16-bit instances with the local residual (EchoConfig.residual =
+// "local"): bound to 4 (64 registers, no spills) they run at 2.82 ms a call against 3.09 ms
+// unbounded (74 registers, 3 blocks an SM; one H200, bf16, 4 virtual ranks, 256 MB a rank).
+#ifndef ECHO_P2P_MIN_BLOCKS_LOCAL_16
+#define ECHO_P2P_MIN_BLOCKS_LOCAL_16 4
+#endif
 #ifndef ECHO_P2P_MIN_BLOCKS_Q8
 #define ECHO_P2P_MIN_BLOCKS_Q8 1
 #endif
@@ -111,6 +117,9 @@ struct CallAttrs {
   bool state_q8 = false;  // m1, m2 are int8 codes with the scales s1, s2 (EchoConfig.state_dtype)
   float* s1 = nullptr;    // this rank's scales of m1, m2 (int8 state; updated in place)
   float* s2 = nullptr;
+  // The averages take this rank's local rounding errors (EchoConfig.residual = "local"), updated
+  // where the push and the reduce quantize; false: u = x' - y / P where y is produced.
+  bool residual_local = false;
 };
 
 // A kernel of the fused all-reduce (an echo_allreduce_kernel(_bounded) instance).

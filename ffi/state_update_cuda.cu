@@ -50,6 +50,14 @@ __device__ __forceinline__ void update_one(float x, float y, S& m1, S& m2,
 
 constexpr int kVec = 8;         // values a thread takes per step: 16-byte loads of 16-bit data
 constexpr int kThreads = 256;
+// Packs a thread loads before it updates any: with two, every load of a step (x, y, m1, m2 of
+// two packs) is in flight at once; with one, the bf16-x fp32-state update ran at 1.21x its byte
+// floor, with two at 0.99x (one H200, 4 x 64M values; docs/gpu.md). A build switch
+// (CUDA_FLAGS=-DECHO_UPDATE_PACKS=1 for the one-pack loop).
+#ifndef ECHO_UPDATE_PACKS
+#define ECHO_UPDATE_PACKS 2
+#endif
+constexpr int kPacks = ECHO_UPDATE_PACKS;
 
 // kVec values held together, so that a step is a few 16-byte loads and stores (one for 16-bit
 // data, two for fp32).
@@ -73,16 +81,30 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t packs = n / kVec;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < packs;
-       p += stride) {
-    const Pack16<T> xv = reinterpret_cast<const Pack16<T>*>(x)[p];
-    const Pack16<T> yv = reinterpret_cast<const Pack16<T>*>(y)[p];
-    Pack16<S> a = reinterpret_cast<Pack16<S>*>(m1)[p];
-    Pack16<S> b = reinterpret_cast<Pack16<S>*>(m2)[p];
+  for (int64_t p0 = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p0 < packs;
+       p0 += stride * kPacks) {
+    Pack16<T> xv[kPacks], yv[kPacks];
+    Pack16<S> a[kPacks], b[kPacks];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) update_one(to_f32(xv.v[j]), to_f32(yv.v[j]), a.v[j], b.v[j], k);
-    reinterpret_cast<Pack16<S>*>(m1)[p] = a;
-    reinterpret_cast<Pack16<S>*>(m2)[p] = b;
+    for (int i = 0; i < kPacks; ++i) {  // every load of the step in flight at once
+      const int64_t p = p0 + i * stride;
+      if (i == 0 || p < packs) {
+        xv[i] = reinterpret_cast<const Pack16<T>*>(x)[p];
+        yv[i] = reinterpret_cast<const Pack16<T>*>(y)[p];
+        a[i] = reinterpret_cast<Pack16<S>*>(m1)[p];
+        b[i] = reinterpret_cast<Pack16<S>*>(m2)[p];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPacks; ++i) {
+      const int64_t p = p0 + i * stride;
+      if (i > 0 && p >= packs) break;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j)
+        update_one(to_f32(xv[i].v[j]), to_f32(yv[i].v[j]), a[i].v[j], b[i].v[j], k);
+      reinterpret_cast<Pack16<S>*>(m1)[p] = a[i];
+      reinterpret_cast<Pack16<S>*>(m2)[p] = b[i];
+    }
   }
   const int64_t tail = packs * kVec + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (tail < n) update_one(to_f32(x[tail]), to_f32(y[tail]), m1[tail], m2[tail], k);

@@ -151,6 +151,11 @@ def add_comm_args(parser: argparse.ArgumentParser, default_bits: int = 16) -> No
                    help="where the compensator's update runs: in_call (inside the all-reduce) "
                         "or separate (its own op after it, on a second GPU stream beside the "
                         "next matrix multiplication). Default in_call.")
+    g.add_argument("--residual", choices=("output", "local"), default="output",
+                   help="the residual the compensator averages: output (u = x' - y / P, the "
+                        "Echo paper's) or local (each rank's own rounding errors, updated where "
+                        "the call quantizes; needs --state-update in_call and no rotation). "
+                        "Default output.")
     g.add_argument("--site-bits", metavar="FILE",
                    help="per-site precision: a site-policy JSON (written by python -m "
                         "models.calibrate) giving every all-reduce site its own bits / group "
@@ -172,9 +177,10 @@ def comm_from_args(args):
             raise ValueError(f"--site-bits: {err}") from None
         sd = getattr(args, "state_dtype", "float32")
         su = getattr(args, "state_update", "in_call")
-        if sd != "float32" or su != "in_call":
+        res = getattr(args, "residual", "output")
+        if sd != "float32" or su != "in_call" or res != "output":
             policy = dataclasses.replace(policy, configs=tuple(
-                None if c is None else c.replace(state_dtype=sd, state_update=su)
+                None if c is None else c.replace(state_dtype=sd, state_update=su, residual=res)
                 for c in policy.configs))
         on = not args.no_compensation
         return CommConfig(tp=args.tp, site_policy=policy, compensate_forward=on,
@@ -188,7 +194,8 @@ def comm_from_args(args):
     echo = EchoConfig(bits=args.bits, group_size=args.group_size, policy=args.policy, eta=eta,
                       transport=args.transport, rotation=getattr(args, "rotation", "none"),
                       state_dtype=getattr(args, "state_dtype", "float32"),
-                      state_update=getattr(args, "state_update", "in_call"))
+                      state_update=getattr(args, "state_update", "in_call"),
+                      residual=getattr(args, "residual", "output"))
     return CommConfig(tp=args.tp, echo=echo, early_8bit=args.early_8bit)
 
 

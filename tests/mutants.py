@@ -121,9 +121,16 @@ def _naive_zero_point():
 
 def _own_segment_quantized():
     from echo_jax.transports import xla
-    mutate(xla, "xla_allreduce",
+    mutate(xla, "_push_and_reduce",
            ("lax.dynamic_index_in_dim(segs, me, 0, keepdims=False)",
             "lax.dynamic_index_in_dim(copies, me, 0, keepdims=False)"))
+
+
+def _local_residual_push_error_on_own_segment():
+    from echo_jax.transports import xla
+    mutate(xla, "xla_allreduce_local",
+           ("err = jnp.where(ranks == me, (acc - own_y)[None], segs - sent)",
+            "err = segs - sent"))
 
 
 def _wrong_beta():
@@ -407,6 +414,17 @@ def _owner_sums_in_reverse_rank_order():
 _owner_sums_in_reverse_rank_order.unavailable = native_unavailable
 
 
+def _local_residual_with_the_tail_update():
+    """The CPU handler's tail also runs the output-residual update in local mode."""
+    _native_mutant("local_tail_update",
+                   ("const bool update = cfg.update && !cfg.residual_local;",
+                    "const bool update = cfg.update;"),
+                   source="ffi/cpu_protocol.h")
+
+
+_local_residual_with_the_tail_update.unavailable = native_unavailable
+
+
 def _int8_state_keeps_the_old_scale():
     """The CPU handler's int8 store writes a group's new codes but leaves its old scale."""
     _native_mutant("q8_old_scale", ("  s[k0 / echo::kStateGroup] = sc.s;\n", "\n"),
@@ -586,6 +604,17 @@ MUTANTS = {
         ["tests/echo_jax/test_state_int8.py::test_the_format_matches_the_numpy_reference",
          "tests/echo_jax/test_state_int8.py::"
          "test_one_call_matches_algorithm_1_with_the_int8_store"]),
+    "local_residual_push_error_on_own_segment": (
+        "the local residual of the owned segment is its push error, not the sum's s - Q(s)",
+        _local_residual_push_error_on_own_segment,
+        ["tests/echo_jax/test_compensator.py::"
+         "test_local_residuals_are_each_ranks_rounding_errors[False]"]),
+    "local_residual_with_the_tail_update": (
+        "the CPU handler's local-residual call also updates the state where y is produced "
+        "(C++ mutant, built)",
+        _local_residual_with_the_tail_update,
+        ["tests/echo_jax/test_residual_local.py::test_the_cpu_call_matches_the_xla_transport_"
+         "bit_for_bit[P3-x_float32-state_float32-rescaled]"]),
     "int8_state_keeps_the_old_scale": (
         "the CPU handler's int8 state store leaves a group's old scale (C++ mutant, built)",
         _int8_state_keeps_the_old_scale,

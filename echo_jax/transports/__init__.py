@@ -416,6 +416,13 @@ def plan_with(transport: base.Transport, config: EchoConfig, *, state_dtype=None
       A frozen `CallPlan`.
     """
     rotation, compensation, reasons = call_modes(transport, config, state_dtype)
+    if compensation == "jax" and config.residual == "local" and transport.custom_call:
+        # The local residual exists only inside a protocol: the fused call's, or the "xla"
+        # transport's in JAX. An uncompensated custom call returns y alone.
+        why = "; ".join(r for r in reasons if r.startswith("compensation")) or "not fused"
+        raise ValueError(
+            f"EchoConfig.residual='local' needs the fused compensated call, and this call's "
+            f"compensation does not fuse ({why}); use residual='output', or transport='xla'")
     if fallback is not None:
         reasons = (f"not the custom call: {fallback}",) + reasons
     call_config = config.replace(rotation="none") if rotation == "jax" else config

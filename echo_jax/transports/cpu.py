@@ -55,6 +55,9 @@ rotate             1: rotate every group (`config.rotation == "hadamard"`; g a p
                    0: no rotation
 ea, eb, b1, c1,    fp32 coefficients of `compensator.Coefficients` and f32(1/P)
 b2, c2, inv_p  (compensated and applied calls only)
+residual_local     1: the averages take each rank's local rounding errors
+                   (`config.residual == "local"`; rotate must be 0), 0: u = x' - y/P
+                   (compensated and applied calls; the applied call takes 0 only)
 =================  =========================================================================
 
 Operands: x [n] in float32, bfloat16 or float16, (for the compensated call m1, m2 in fp32 or bf16,
@@ -66,6 +69,9 @@ dtype to nearest even, like `xla_allreduce(x.astype(f32)).astype(x.dtype)`. The 
 updates its state (fp32 or bf16, `FUSED_STATE_DTYPES`) with the fp32 sum, before that rounding.
 The applied call (`allreduce_applied`, `EchoConfig.state_update="separate"`) takes m1, m2 as
 read-only operands, runs the apply step only and returns y; the update is left to its own op.
+With `EchoConfig.residual="local"` the compensated call updates the state where it quantizes,
+from each rank's own rounding errors (`allreduce_compensated`), with the bits of
+`echo_jax.transports.xla.xla_allreduce_local`.
 """
 
 from __future__ import annotations
@@ -322,6 +328,12 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
                 rotate=int(config.rotation == "hadamard"))
 
 
+def _residual_local(config: EchoConfig) -> int:
+    """The attribute residual_local of the calls that pass the update's coefficients: 1 for
+    `EchoConfig.residual="local"`, else 0 (an int, as the other int64 attributes)."""
+    return int(config.residual == "local")
+
+
 def allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=None):
     """The quantized all-reduce of a flat contribution through the CPU custom call.
 
@@ -365,6 +377,16 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     step and rotates the sum back before the update (the state stays in the original basis):
     the bits of apply + `echo_jax.transports.xla.allreduce` (rotated) + update.
 
+    With config.residual="local" (no rotation) the averages (Eq. 11) take this rank's own
+    rounding errors instead of u = x' - y/P (Eq. 4), and the call updates them where it
+    quantizes, with no pass over x and the state after the sum: for an element of a segment it
+    pushes, u = v - Q(v) with v = x' times the factor and Q(v) the value its owner decodes; for
+    an element of the segment it owns, u = s - Q(s) with s the fp32 sum in rank order and Q(s)
+    the value every rank decodes; each divided by the factor (exact). Summed over the ranks
+    these are the error the Echo paper's residuals sum to (Eq. 4), up to the sum's fp32
+    rounding. y is unchanged. The bits of `echo_jax.transports.xla.xla_allreduce_local` +
+    `comp.update_with_residual`.
+
     Args:
       x_flat32: [n] contribution before correction, float32, bfloat16 or float16.
       m1_flat, m2_flat: the CompensatorState in config.state_dtype (`FUSED_STATE_DTYPES`), n
@@ -395,7 +417,8 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     coords = _coords(axis)
     y, *new = call(x_flat32, *state, coords, factor_operand(factor, coords), **attrs,
                    ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2),
-                   c2=f32(k.c2), inv_p=f32(1.0 / int(num_ranks)))
+                   c2=f32(k.c2), inv_p=f32(1.0 / int(num_ranks)),
+                   residual_local=_residual_local(config))
     # ffi_call results are typed invariant; type them as the xla transport's are.
     varying = frozenset().union(*(_compat.varying_axes(o) for o in [x_flat32] + state))
     new = [_compat.to_varying(a, varying) for a in new]
@@ -409,7 +432,9 @@ def allreduce_applied(x_flat32, m1_flat, m2_flat, axis, num_ranks: int, config: 
     For `EchoConfig.state_update="separate"`: the call forms x' = x + eta (a m1 + (1 - a) m2)
     where it loads x and returns QAR(x') only; m1 and m2 are read, not written, and the update
     (`compensator.update_beside` on x, y and the state) runs after the call as its own op. The
-    bits of y are those of `allreduce_compensated`'s y.
+    bits of y are those of `allreduce_compensated`'s y. config.residual must be "output": the
+    local residual is taken inside the compensated call (`EchoConfig` pairs it with
+    state_update="in_call").
 
     Args:
       x_flat32, m1_flat, m2_flat, axis, num_ranks, config, factor: as `allreduce_compensated`.
@@ -419,6 +444,12 @@ def allreduce_applied(x_flat32, m1_flat, m2_flat, axis, num_ranks: int, config: 
     """
     attrs = _check_call("p2p_allreduce_applied", x_flat32, axis, num_ranks, config,
                         states=(("m1_flat", m1_flat), ("m2_flat", m2_flat)))
+    if config.residual == "local":
+        # The local residual exists only where the call quantizes; the applied call leaves the
+        # update to an op after it, which sees x, y and the state only.
+        raise ValueError("p2p_allreduce_applied: EchoConfig.residual='local' updates the state "
+                         "inside the compensated call, and this call does not update it; use "
+                         "allreduce_compensated, or residual='output'")
     k = comp.Coefficients.from_config(config)
     _register(base.current_platform())
     n = jnp.shape(x_flat32)[0]
@@ -428,7 +459,7 @@ def allreduce_applied(x_flat32, m1_flat, m2_flat, axis, num_ranks: int, config: 
     coords = _coords(axis)
     y = call(x_flat32, m1_flat, m2_flat, coords, factor_operand(factor, coords), **attrs,
              ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2), c2=f32(k.c2),
-             inv_p=f32(1.0 / int(num_ranks)))
+             inv_p=f32(1.0 / int(num_ranks)), residual_local=_residual_local(config))
     return base.typed_like_psum(y, axis, x_flat32, m1_flat, m2_flat)
 
 

@@ -209,7 +209,8 @@ def _attrs(config: EchoConfig, num_ranks: int, state: bool, applied: bool = Fals
     elif state:
         k = comp.Coefficients.from_config(config)
         a.update(ea=k.ea, eb=k.eb, b1=k.b1, c1=k.c1, b2=k.b2, c2=k.c2,
-                 inv_p=np.float32(1.0 / num_ranks))
+                 inv_p=np.float32(1.0 / num_ranks),
+                 residual_local=np.int64(config.residual == "local"))
     return a
 
 
@@ -510,6 +511,9 @@ class CudaTransport(base.CustomCallTransport):
         return update_state(x, y, state, num_ranks, config)
 
     def fused_state_reason(self, config, state_dtype):
+        if config.residual == "local" and state_dtype != "int8":
+            return (f"the CUDA call takes the local residual (residual='local') with the int8 "
+                    f"state only, got a {state_dtype} state (use state_dtype='int8')")
         if state_dtype == "int8" and os.environ.get(GENERIC_ENV, "") not in ("", "0"):
             return (f"the call's int8 state runs in the fast stages only, and {GENERIC_ENV} "
                     f"asks for the generic ones (unset it)")

@@ -109,10 +109,19 @@ def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
     dtype = jnp.result_type(x_flat32)
     if dtype != jnp.float32:
         return xla_allreduce(x_flat32.astype(jnp.float32), axis, num_ranks, config).astype(dtype)
-    bits, g, policy = config.bits, config.group_size, config.policy
     n = x_flat32.shape[0]
+    _, _, _, sum_packed, sum_params = _push_and_reduce(x_flat32, axis, num_ranks, config)
+    return _gather(sum_packed, sum_params, axis, config)[:n]
+
+
+def _push_and_reduce(x32, axis, num_ranks: int, config: EchoConfig):
+    """The push and the reduce of the protocol on an fp32 [n] contribution: (segs [P, per_seg,
+    g] the padded segments, the pushed codes and parameters, the owned segment's fp32 sum's
+    codes and parameters)."""
+    bits, g, policy = config.bits, config.group_size, config.policy
+    n = x32.shape[0]
     per_seg, padded = segment_layout(n, num_ranks, g)
-    segs = jnp.pad(x_flat32, (0, padded - n)).reshape(num_ranks, per_seg, g)
+    segs = jnp.pad(x32, (0, padded - n)).reshape(num_ranks, per_seg, g)
     # Push: quantize all P segments; the all-to-all delivers segment j of rank r as row r on j.
     packed, params = quant.quantize_groups(segs, bits, policy)
     recv_packed = lax.all_to_all(packed, axis, 0, 0)
@@ -125,12 +134,65 @@ def xla_allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig):
     for r in range(1, num_ranks):
         acc = acc + jnp.where(me == r, own, copies[r])
     sum_packed, sum_params = quant.quantize_groups(acc, bits, policy)
-    # Gather + tail: every rank dequantizes the same codes of every owner. In a type-checked
-    # shard_map the gathered codes are invariant over the axis, like lax.psum's result.
+    return segs, (packed, params), acc, sum_packed, sum_params
+
+
+def _gather(sum_packed, sum_params, axis, config: EchoConfig):
+    """Gather + tail: every rank dequantizes the same codes of every owner, flat fp32 [padded].
+    In a type-checked shard_map the gathered codes are invariant over the axis, like lax.psum's
+    result."""
     all_packed = _compat.all_gather_invariant(sum_packed, axis)
     all_params = _compat.all_gather_invariant(sum_params, axis)
-    y = quant.dequantize_groups(all_packed, all_params, bits, policy)
-    return y.reshape(-1)[:n]
+    return quant.dequantize_groups(all_packed, all_params, config.bits,
+                                   config.policy).reshape(-1)
+
+
+def xla_allreduce_local(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=None):
+    """`xla_allreduce_scaled` that also returns this rank's local residual
+    (`EchoConfig.residual="local"`): the reference of the fused calls' update, bit for bit.
+
+    With v = x' * factor (fp32; factor 1 when None), the residual of element k is
+
+        (v_k - Q1(v)_k) / factor   for k in a segment this rank sends (the value its owner
+                                   decodes: the push's rounding error),
+        (s_k - Q2(s)_k) / factor   for k in the segment this rank owns (s: the fp32 sum in rank
+                                   order, Q2(s): the decoded code every rank receives),
+
+    one fp32 subtraction, then the exact product by 1 / factor. The own contribution enters the
+    sum unquantized, so it has no push error. Summed over the ranks these are sum_r v_r - y_hat
+    up to the sum's own fp32 rounding: the error the Echo paper's residuals x' - y_hat / P sum
+    to (Eq. 4).
+
+    Args:
+      x_flat32: [n] contribution of this rank (already compensated), fp32 (a 16-bit one is
+        widened exactly).
+      axis, num_ranks: the bound axis and its size P.
+      config: bits, group size and policy (rotation "none").
+      factor: None, or the f32 power of two of the rescaling.
+
+    Returns:
+      (y32 [n] fp32, identical on every rank; u [n] fp32, this rank's residual).
+    """
+    x32 = jnp.asarray(x_flat32).astype(jnp.float32)
+    bits, policy = config.bits, config.policy
+    n = x32.shape[0]
+    if factor is not None:
+        f = jnp.asarray(factor, jnp.float32).reshape(())
+        x32 = x32 * f
+    segs, (packed, params), acc, sum_packed, sum_params = _push_and_reduce(x32, axis, num_ranks,
+                                                                          config)
+    sent = quant.dequantize_groups(packed, params, bits, policy)  # what each owner decodes
+    own_y = quant.dequantize_groups(sum_packed, sum_params, bits, policy)
+    ranks = lax.broadcasted_iota(jnp.int32, (num_ranks, 1, 1), 0)
+    me = lax.axis_index(axis)
+    err = jnp.where(ranks == me, (acc - own_y)[None], segs - sent)
+    u = err.reshape(-1)[:n]
+    y32 = _gather(sum_packed, sum_params, axis, config)[:n]
+    if factor is not None:
+        inv = jnp.float32(1) / f
+        y32 = y32 * inv
+        u = u * inv
+    return y32, u
 
 
 def xla_allreduce_scaled(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=None):
@@ -193,4 +255,4 @@ class XlaTransport(Transport):
 TRANSPORT = XlaTransport()
 
 __all__ = ["TRANSPORT", "XlaTransport", "NAME", "unavailable_reason", "limit_reason", "allreduce", "fused_rotation",
-           "rotated_allreduce", "xla_allreduce", "xla_allreduce_scaled"]
+           "rotated_allreduce", "xla_allreduce", "xla_allreduce_local", "xla_allreduce_scaled"]

@@ -111,7 +111,8 @@ def describe_comm(comm) -> dict:
             "compensated": e.compensated, "eta": e.eta, "blend": e.blend, "beta1": e.beta1,
             "beta2": e.beta2, "early_8bit": comm.early_8bit, "tp": comm.tp,
             "transport": e.transport, "rotation": getattr(e, "rotation", "none"),
-            "state_dtype": e.state_dtype, "state_update": e.state_update}
+            "state_dtype": e.state_dtype, "state_update": e.state_update,
+            "residual": e.residual}
 
 
 def exact_comm(tp: int):

@@ -7,7 +7,7 @@ import pytest
 from jax import lax
 
 import echo_jax as ej
-from np_reference import coefficients
+from np_reference import coefficients, element_error_bound
 
 
 def vmapped(cfg):
@@ -58,6 +58,51 @@ def test_residuals_sum_to_minus_delta():
     np.testing.assert_allclose(u2.sum(0), -delta, rtol=0, atol=1e-5)
     np.testing.assert_allclose(u1, xp - f64(y) / nranks, rtol=0, atol=3e-6)
     assert np.abs(delta).max() > 1e-2  # the check is not vacuous
+
+
+@pytest.mark.parametrize("rescale", [False, True])
+def test_local_residuals_are_each_ranks_rounding_errors(rescale):
+    """EchoConfig.residual="local": the residual recovered from the returned state (Eq. 11 solved
+    for u in float64) is, per rank, its own rounding error, and over the ranks it sums to the
+    same -delta as the Echo paper's residuals (Eq. 4). Checked from NumPy alone: the segments a
+    rank sends err by at most half a step of the group's own scale (np_reference), its owned
+    segment by the sum's half step, and every residual is far below the data (the "output"
+    residuals x' - y / P are data-scale)."""
+    nranks, n, g = 4, 1000, 128   # n: the last group short, one group of padding
+    cfg = ej.EchoConfig(bits=4, transport="xla", residual="local")
+    scales = np.asarray([[0.5], [1.0], [2.0], [4.0]], np.float32)
+    x = jax.random.normal(jax.random.key(5), (nranks, n)) * scales
+    st = nonzero_state(x, 2)
+    fn = jax.jit(jax.vmap(lambda v, s: ej.echo_psum(v, "tp", config=cfg, state=s,
+                                                    rescale=rescale), axis_name="tp"))
+    y, new = fn(x, st)
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    e, a, b1, b2 = cfg.eta, cfg.blend, cfg.beta1, cfg.beta2
+    xp = f64(x) + e * (a * f64(st.m1) + (1 - a) * f64(st.m2))              # Eq. 10
+    delta = f64(y[0]) - xp.sum(0)                                         # Eq. 1
+    u1 = (f64(new.m1) - b1 * f64(st.m1)) / (1 - b1)                       # Eq. 11 solved for u
+    u2 = (f64(new.m2) - b2 * f64(st.m2)) / (1 - b2)
+    np.testing.assert_allclose(u1.sum(0), -delta, rtol=0, atol=2e-5)     # Eq. 4
+    np.testing.assert_allclose(u2.sum(0), -delta, rtol=0, atol=2e-5)
+    # Per rank and segment: the layout of P segments of whole groups (transports.base).
+    per_seg = -(-(-(-n // g)) // nranks)
+    padded = np.zeros((nranks, nranks * per_seg * g))
+    padded[:, :n] = xp
+    groups = padded.reshape(nranks, nranks * per_seg, g)
+    sent_bound = element_error_bound(groups, 4, "asym").reshape(nranks, -1)[:, :n]
+    seg_of = np.arange(n) // (per_seg * g)
+    # The owner's sum: its own x' plus what its peers sent (x' less their push errors).
+    owner = seg_of[None, :] == np.arange(nranks)[:, None]
+    ysum = np.zeros(nranks * per_seg * g)
+    ysum[:n] = xp.sum(0) - np.where(owner, 0.0, u1).sum(0)
+    sum_bound = element_error_bound(ysum.reshape(-1, g), 4, "asym").reshape(-1)[:n]
+    for r in range(nranks):
+        own = seg_of == r
+        slack = 1e-5 + 1e-3 * np.abs(xp[r])   # fp32 x' and the update's products
+        assert np.all(np.abs(u1[r, ~own]) <= sent_bound[r, ~own] + slack[~own]), r
+        assert np.all(np.abs(u1[r, own]) <= sum_bound[own] + 1e-5 * nranks + slack[own]), r
+    assert np.abs(u1).max() < 0.25 * np.abs(xp).max()   # error-scale, not data-scale
+    assert np.abs(delta).max() > 1e-2                   # not vacuous
 
 
 def test_eta_zero_equals_uncompensated():

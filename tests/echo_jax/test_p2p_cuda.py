@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 import echo_jax as ej
-from echo_jax import _compat
+from echo_jax import _compat, collective
 from echo_jax import policies, transports
 from echo_jax import compensator as comp
 from echo_jax import quant
@@ -235,6 +235,67 @@ def test_virtual_ranks_int8_state_match_reference(cuda, xdtype, rotation):
         assert np.any(np.asarray(got[3].m1.codes) != np.asarray(st.m1.codes)), what
         if nan:
             assert np.isnan(np.asarray(got[1].m1.scales)).any(), what
+
+
+@pytest.mark.parametrize("xdtype", ["float32", "bfloat16", "float16"])
+def test_virtual_ranks_local_residual_match_reference(cuda, xdtype):
+    """EchoConfig.residual="local" with the int8 state: the push updates the state of the values
+    it sends from x' - Q(x'), the reduce the own segment's from s - Q(s), the tail stores y
+    only. y and every code and scale bit for bit with the xla transport's
+    (`xla_allreduce_local`, itself checked against float64 NumPy), two chained calls, 4 and 8
+    bits, P = 2, 3 and 4, a short last group, a NaN (its groups NaN on both), and the
+    rescaling's factor operand (rescale=True: the residual divided by the factor)."""
+    rng = np.random.default_rng(7 + len(xdtype))
+    for nranks, bits, n, case in ((4, 4, 65536, ""), (2, 8, 4096 + 64, ""), (3, 4, 4096 + 64, ""),
+                                  (4, 4, 4096 + 64, "nan"), (4, 4, 8192, "factor")):
+        cfg = ej.EchoConfig(bits=bits, state_dtype="int8", residual="local")
+        x0, x1, x2 = (np.asarray(rng.standard_normal((nranks, n)), np.float32)
+                      for _ in range(3))
+        if case == "nan":
+            x1[1, 4100] = np.nan
+        x0, x1, x2 = (jnp.asarray(v).astype(xdtype) for v in (x0, x1, x2))
+        what = f"P={nranks} {xdtype} bits={bits} n={n} case={case!r}"
+        zero = jax.vmap(lambda v: ej.init_state(v, cfg))(x0)
+        st = reference_allreduce(x0, cfg, zero)[1]
+        if case == "factor":
+            def ref(v, s):
+                return jax.jit(jax.vmap(lambda a, b: ej.echo_psum(a, "tp", config=cfg, state=b,
+                                                                  rescale=True),
+                                        axis_name="tp"))(v, s)
+
+            def factor(v):
+                return jax.vmap(lambda r: collective.rescale_factor(r, "tp", True),
+                                axis_name="tp")(v)[0]
+
+            def two(a, b, s):
+                y1, s1 = cuda.virtual_allreduce(a, cfg, s, factor=factor(a))
+                y2, s2 = cuda.virtual_allreduce(b, cfg, s1, factor=factor(b))
+                return y1, s1, y2, s2
+            r1 = ref(x1, st)
+            got, (r1, r2) = jax.jit(two)(x1, x2, st), (r1, ref(x2, r1[1]))
+        else:
+            got, (r1, r2) = two_calls(cuda, cfg, x1, x2, st)
+        for (y, new), (ry, rnew), step in (((got[0], got[1]), r1, 1), ((got[2], got[3]), r2, 2)):
+            same_bits_or_both_nan(y, ry, f"{what} call {step}: y")
+            for name, a, b in zip(("m1 codes", "m1 scales", "m2 codes", "m2 scales"),
+                                  jax.tree.leaves(new), jax.tree.leaves(rnew), strict=True):
+                same_bits_or_both_nan(a, b, f"{what} call {step}: {name}")
+        assert np.any(np.asarray(got[3].m1.codes) != np.asarray(st.m1.codes)), what
+
+
+def test_the_local_residual_needs_the_int8_state(cuda):
+    """residual="local" with a float state, or with the int8 state on rows the fast stages
+    cannot take, refuses with the fix instead of running stages that have no local update."""
+    x = jnp.ones((2, 4096), jnp.float32)
+    cfg = ej.EchoConfig(residual="local")
+    st = jax.vmap(lambda v: ej.init_state(v, cfg))(x)
+    with pytest.raises(Exception, match=r"local residual .* int8 state only"):
+        jax.block_until_ready(cuda.virtual_allreduce(x, cfg, st))
+    cfg = ej.EchoConfig(residual="local", state_dtype="int8")
+    x = jnp.ones((2, 1004), jnp.float32)
+    st = jax.vmap(lambda v: ej.init_state(v, cfg))(x)
+    with pytest.raises(Exception, match=r"local residual .* int8 state only"):
+        jax.block_until_ready(cuda.virtual_allreduce(x, cfg, st))
 
 
 def test_the_int8_state_needs_the_fast_stages(cuda):

@@ -413,3 +413,18 @@ def test_sample_next():
     assert G.sample_next(logits, 0.0, 0, rng) == 1
     picks = {G.sample_next(logits, 1.0, 2, rng) for _ in range(200)}
     assert picks == {1, 2}                                            # top-2 only
+
+
+def test_comm_flags_reach_the_config():
+    """--state-dtype, --state-update and --residual land in the EchoConfig of every site, and a
+    combination the config refuses names the field."""
+    p = argparse.ArgumentParser()
+    CLI.add_comm_args(p)
+    comm = CLI.comm_from_args(p.parse_args(["--bits", "4", "--tp", "2", "--state-dtype", "int8",
+                                            "--residual", "local"]))
+    assert (comm.echo.state_dtype, comm.echo.residual, comm.echo.state_update) == (
+        "int8", "local", "in_call")
+    assert CLI.comm_from_args(p.parse_args(["--bits", "4"])).echo.residual == "output"
+    with pytest.raises(ValueError, match="residual"):
+        CLI.comm_from_args(p.parse_args(["--bits", "4", "--residual", "local",
+                                         "--state-update", "separate"]))
