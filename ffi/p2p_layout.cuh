@@ -58,8 +58,8 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 // ones take no bound: ptxas gives them 64 registers (4 blocks an SM) by itself, and a bound of
 // 4 adds spills.
 // The int8 state's unrotated 16-bit instances with the local residual (EchoConfig.residual =
-// "local"): bound to 4 (64 registers, no spills) they run at 2.82 ms a call against 3.09 ms
-// unbounded (74 registers, 3 blocks an SM; one H200, bf16, 4 virtual ranks, 256 MB a rank).
+// "local"): bound to 4 blocks an SM (64 registers, no spills) rather than 3 unbounded (74
+// registers), which ran slower (docs/gpu.md, "Build switches", has the times).
 #ifndef ECHO_P2P_MIN_BLOCKS_LOCAL_16
 #define ECHO_P2P_MIN_BLOCKS_LOCAL_16 4
 #endif

@@ -51,8 +51,8 @@ __device__ __forceinline__ void update_one(float x, float y, S& m1, S& m2,
 constexpr int kVec = 8;         // values a thread takes per step: 16-byte loads of 16-bit data
 constexpr int kThreads = 256;
 // Packs a thread loads before it updates any: with two, every load of a step (x, y, m1, m2 of
-// two packs) is in flight at once; with one, the bf16-x fp32-state update ran at 1.21x its byte
-// floor, with two at 0.99x (one H200, 4 x 64M values; docs/gpu.md). A build switch
+// two packs) is in flight at once, and the update runs at its byte floor where one pack a step
+// did not (docs/gpu.md, "Build switches", has the times). A build switch
 // (CUDA_FLAGS=-DECHO_UPDATE_PACKS=1 for the one-pack loop).
 #ifndef ECHO_UPDATE_PACKS
 #define ECHO_UPDATE_PACKS 2

@@ -263,6 +263,12 @@ def factor_operand(factor, like=None):
     return f
 
 
+def residual_local_attr(config) -> int:
+    """The custom calls' attribute residual_local (CPU and CUDA, with the update's
+    coefficients): 1 for `EchoConfig.residual="local"`, else 0."""
+    return int(config.residual == "local")
+
+
 def current_platform(mesh=None) -> str:
     """The platform a call traced here runs on ("cpu", "cuda", ...), from the abstract mesh's
     device where it has one, else JAX's default backend.
@@ -422,7 +428,7 @@ def build_mismatch(info: dict, module: str) -> str | None:
             f"so that it is rebuilt against its headers: {REINSTALL}")
 
 
-__all__ = ["Transport", "CustomCallTransport", "segment_layout", "typed_like_psum", "factor_operand", "current_platform", "on_gpu",
+__all__ = ["Transport", "CustomCallTransport", "segment_layout", "typed_like_psum", "factor_operand", "residual_local_attr", "current_platform", "on_gpu",
            "platform_name", "context_reason", "trace_reason", "trace_or_processes",
            "limit_reason", "timeout_ms",
            "runtime_ffi_api", "build_mismatch", "REINSTALL",

@@ -328,12 +328,6 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
                 rotate=int(config.rotation == "hadamard"))
 
 
-def _residual_local(config: EchoConfig) -> int:
-    """The attribute residual_local of the calls that pass the update's coefficients: 1 for
-    `EchoConfig.residual="local"`, else 0 (an int, as the other int64 attributes)."""
-    return int(config.residual == "local")
-
-
 def allreduce(x_flat32, axis, num_ranks: int, config: EchoConfig, factor=None):
     """The quantized all-reduce of a flat contribution through the CPU custom call.
 
@@ -418,7 +412,7 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     y, *new = call(x_flat32, *state, coords, factor_operand(factor, coords), **attrs,
                    ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2),
                    c2=f32(k.c2), inv_p=f32(1.0 / int(num_ranks)),
-                   residual_local=_residual_local(config))
+                   residual_local=base.residual_local_attr(config))
     # ffi_call results are typed invariant; type them as the xla transport's are.
     varying = frozenset().union(*(_compat.varying_axes(o) for o in [x_flat32] + state))
     new = [_compat.to_varying(a, varying) for a in new]
@@ -459,7 +453,7 @@ def allreduce_applied(x_flat32, m1_flat, m2_flat, axis, num_ranks: int, config: 
     coords = _coords(axis)
     y = call(x_flat32, m1_flat, m2_flat, coords, factor_operand(factor, coords), **attrs,
              ea=f32(k.ea), eb=f32(k.eb), b1=f32(k.b1), c1=f32(k.c1), b2=f32(k.b2), c2=f32(k.c2),
-             inv_p=f32(1.0 / int(num_ranks)), residual_local=_residual_local(config))
+             inv_p=f32(1.0 / int(num_ranks)), residual_local=base.residual_local_attr(config))
     return base.typed_like_psum(y, axis, x_flat32, m1_flat, m2_flat)
 
 

@@ -210,7 +210,7 @@ def _attrs(config: EchoConfig, num_ranks: int, state: bool, applied: bool = Fals
         k = comp.Coefficients.from_config(config)
         a.update(ea=k.ea, eb=k.eb, b1=k.b1, c1=k.c1, b2=k.b2, c2=k.c2,
                  inv_p=np.float32(1.0 / num_ranks),
-                 residual_local=np.int64(config.residual == "local"))
+                 residual_local=np.int64(base.residual_local_attr(config)))
     return a
 
 

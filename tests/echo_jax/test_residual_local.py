@@ -154,7 +154,7 @@ def test_the_applied_call_refuses_it():
 def test_the_handler_refuses_the_attribute_with_a_rotation_or_on_the_applied_call(monkeypatch):
     """The C++ handler's own check of residual_local = 1 (the Python side never passes it with
     either; here it is forced): an InvalidArgument error naming the attribute and the fix."""
-    monkeypatch.setattr(cpu, "_residual_local", lambda config: 1)
+    monkeypatch.setattr(cpu.base, "residual_local_attr", lambda config: 1)
     rotated = ej.EchoConfig(bits=4, transport="p2p", rotation="hadamard")
     with pytest.raises(jax.errors.JaxRuntimeError,
                        match=r"(?s)INVALID_ARGUMENT.*attribute 'residual_local' is 1 with "
