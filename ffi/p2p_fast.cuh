@@ -474,22 +474,25 @@ struct FastStages {
   // min.NaN / max.NaN (the standalone quantizer's range) took 4-6 more registers here, and the
   // virtual-rank benchmark showed no gain with it; only the plain fp32 push (push_plain), which
   // takes the range before scaling, is faster with it.
-  __device__ static fast::Encoder group_encoder(const KernelArgs& a, const float (&v)[kLoads][kVec],
+  // LDS, LNS: the pieces a lane and the lanes a group (L's by default; push_local's LP).
+  template <int LDS = kLoads, int LNS = kLanes>
+  __device__ static fast::Encoder group_encoder(const KernelArgs& a, const float (&v)[LDS][kVec],
                                                 uint32_t* wire) {
     int32_t kmin = fast::kKeyMax, kmax = fast::kKeyMin;
 #pragma unroll
-    for (int k = 0; k < kLoads; ++k) {
+    for (int k = 0; k < LDS; ++k) {
 #pragma unroll
       for (int t = 0; t < kVec; ++t) fast::key_range_add(kmin, kmax, v[k][t]);
     }
-    fast::key_range_reduce<kLanes>(kmin, kmax);  // within the group's aligned lanes
+    fast::key_range_reduce<LNS>(kmin, kmax);  // within the group's aligned lanes
     return fast::make_encoder<BITS>(a.policy, __uint_as_float(fast::from_order_key(kmin)),
                                     __uint_as_float(fast::from_order_key(kmax)),
                                     fast::keys_finite(kmin, kmax), wire);
   }
 
+  template <int LNS = kLanes>
   __device__ static int64_t piece_byte(int64_t local, int j, int k) {
-    return local * kCodeBytes + static_cast<int64_t>(k * kLanes + j) * kPieceBytes;
+    return local * kCodeBytes + static_cast<int64_t>(k * LNS + j) * kPieceBytes;
   }
 
   // Issuing the loads of two group sets per warp before using either, and the P - 1 peers'
@@ -546,9 +549,10 @@ struct FastStages {
     }
   }
 
-  // The local residual's update of a piece (LOCAL): u = (v - decoded) / f for the kVec values v
-  // as quantized (scaled) and the values their codes decode to, then Eq. 11 from the state as
-  // read at entry, stored as int8 codes (store_state_pair: every lane of the group together).
+  // The local residual's update of a piece in the reduce (LOCAL): u = (v - decoded) / f for the
+  // kVec values v as quantized (scaled) and the values their codes decode to, then Eq. 11 from
+  // the state as read at entry, stored as int8 codes (store_state_pair: every lane of the group
+  // together).
   __device__ __forceinline__ static void update_local(const KernelArgs& a, int64_t e,
                                                       const float* v, const float* decoded,
                                                       const float* m1, const float* m2) {
@@ -561,40 +565,146 @@ struct FastStages {
     store_state_pair(a, e, n1, n2);
   }
 
-  // push with the local residual (LOCAL: the int8 state, one piece a lane): x, m1, m2 loaded
-  // once, x' quantized and sent, and the state of these values updated from x' - Q(x') (the
-  // value the owner decodes) while m1, m2 are still in registers.
-  __device__ static void push_local(const KernelArgs& a, int seg, int64_t first, int count,
-                                    int64_t local0, int warp, int warps, int lane) {
-    const int j = lane % kLanes;
-    uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
-    uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
-    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
-      const int q = q0 + lane / kLanes;
-      const bool valid = q < count;
-      const int64_t e = (seg * a.seg_groups + first + q) * G + L::index(j, 0, 0);
-      float v[kLoads][kVec], m1[kVec], m2[kVec];
-      if (valid) {
-        load_x_and_state(a, e, v[0], m1, m2);
-      } else {
-#pragma unroll
-        for (int t = 0; t < kVec; ++t) v[0][t] = m1[t] = m2[t] = 0.0f;
-      }
-      apply_and_scale(a, v[0], m1, m2);
-      uint32_t wire;
-      const fast::Encoder enc = group_encoder(a, v, &wire);  // every lane: shuffles
-      if (!valid) continue;  // a group's lanes leave together (store_state_pair's shuffles)
-      if (j == 0) fast::store_wire(prm, local0 + q, a.policy, wire);
-      const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
-      uint32_t codes[kVec];
-      float decoded[kVec];
+  // The layout of the local residual's push (push_local) and tail: two loads a lane (half of L's lanes a
+  // group), so that a lane's share of a group's fixed work (its addresses, the encoder, the
+  // shuffle reductions of the range and of each average's largest value, the scales) is spread
+  // over twice the values. Why: with L's one piece a lane that fixed work was about half of the
+  // push's instructions, and the push issued about 2.5 warp instructions a value, three times
+  // the plain push's (ffi/tools/sass_mix.py; docs/gpu.md). The wire layout is L's: piece (j, k)
+  // of LP is piece k * LP::kLanes + j of the group, its values in index order either way.
+  using LP = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, 2>()>;
+
+  // push_local's words of the piece at element e: x (+0 past n) and the codes of m1, m2 (0 past
+  // n), loaded together, decoded where they are used.
+  __device__ static void load_local_piece(const KernelArgs& a, int64_t e, uint4& x, CodeWord& c1,
+                                          CodeWord& c2) {
+    const T* xs = static_cast<const T*>(a.x);
+    const int8_t* q1 = static_cast<const int8_t*>(a.m1);
+    const int8_t* q2 = static_cast<const int8_t*>(a.m2);
+    if (e + kVec <= a.n) {
+      x = *reinterpret_cast<const uint4*>(xs + e);
+      c1 = *reinterpret_cast<const CodeWord*>(q1 + e);
+      c2 = *reinterpret_cast<const CodeWord*>(q2 + e);
+    } else {  // the row's last piece
+      Pack<T, kVec> xv;
+      int8_t b1[kVec], b2[kVec];
 #pragma unroll
       for (int t = 0; t < kVec; ++t) {
-        codes[t] = fast::encode<BITS>(v[0][t], enc) & enc.mask;
-        decoded[t] = fast::decode_fast(codes[t], d);  // what the owner decodes
+        const bool in = e + t < a.n;
+        xv.v[t] = in ? xs[e + t] : from_f32<T>(0.0f);
+        b1[t] = in ? q1[e + t] : 0;
+        b2[t] = in ? q2[e + t] : 0;
       }
-      fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, j, 0), codes, 0xFFFFFFFFu);
-      update_local(a, e, v[0], decoded, m1, m2);
+      x = *reinterpret_cast<const uint4*>(&xv);
+      memcpy(&c1, b1, kVec);
+      memcpy(&c2, b2, kVec);
+    }
+  }
+  // The values of the int8 codes c of the piece at element e under scale s; 0 past n (as
+  // load_state_q8 gives them).
+  __device__ __forceinline__ static void decode_state_piece(const CodeWord& c, float s, int64_t e,
+                                                            int64_t n, float* v) {
+    codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(c), s, v);
+    if (e + kVec > n) {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) v[t] = e + t < n ? v[t] : 0.0f;
+    }
+  }
+
+  // The local residual's update of one average (M1: m1, else m2) of the group at element e0
+  // whose lanes hold the residuals u (LP: every lane of the group together, shuffles): Eq. 11
+  // from the codes c and the scale s as read at entry, the new values stored as int8 codes under
+  // the group's new scale, which its first lane stores. One average at a time, each decoded
+  // again from its codes: the two at once held 32 more values a lane.
+  template <bool M1>
+  __device__ static void update_local_average(const KernelArgs& a, int64_t e0, int j,
+                                              const float (&u)[LP::kLoads][kVec],
+                                              const CodeWord (&c)[LP::kLoads], float s) {
+    float nv[LP::kLoads][kVec];
+    uint32_t amax = 0;
+#pragma unroll
+    for (int k = 0; k < LP::kLoads; ++k) {
+      const int64_t e = e0 + LP::index(j, k, 0);
+      float m[kVec];
+      decode_state_piece(c[k], s, e, a.n, m);
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        float n1, n2;  // the other average's half of comp_update_residual is dead code
+        comp_update_residual(u[k][t], M1 ? m[t] : 0.0f, M1 ? 0.0f : m[t], a.k, &n1, &n2);
+        nv[k][t] = M1 ? n1 : n2;
+      }
+      amax = max(amax, abs_max_bits(nv[k], e, a.n));
+    }
+    constexpr int kLn = LP::kLanes;
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned mask = kLn == 32 ? 0xFFFFFFFFu : ((1u << kLn) - 1u) << (lane / kLn * kLn);
+#pragma unroll
+    for (int off = kLn / 2; off > 0; off /= 2) amax = max(amax, __shfl_xor_sync(mask, amax, off));
+    const StateScale sc = state_scale_of_bits(amax);
+#pragma unroll
+    for (int k = 0; k < LP::kLoads; ++k)
+      store_codes(static_cast<int8_t*>(M1 ? a.m1 : a.m2), M1 ? a.s1 : a.s2,
+                  e0 + LP::index(j, k, 0), a.n, nv[k], sc, j == 0 && k == 0);
+  }
+
+  // push with the local residual (LOCAL: the int8 state; LP, two pieces a lane): x, m1, m2
+  // loaded once, x' quantized and sent, and the state of these values updated from x' - Q(x')
+  // (the value the owner decodes) while the codes of m1, m2 are still in registers. Each lane
+  // read the old scales at entry; the shuffles of each average's update order those reads
+  // before its first lane's write.
+  __device__ static void push_local(const KernelArgs& a, int seg, int64_t first, int count,
+                                    int64_t local0, int warp, int warps, int lane) {
+    constexpr int kLd = LP::kLoads, kLn = LP::kLanes, kGroups = LP::kGroupsPerWarp;
+    const int j = lane % kLn;
+    uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
+    uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
+    for (int q0 = warp * kGroups; q0 < count; q0 += warps * kGroups) {
+      const int q = q0 + lane / kLn;
+      const bool valid = q < count;
+      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+      uint4 xw[kLd];
+      CodeWord c1[kLd], c2[kLd];
+      float s1 = 0.0f, s2 = 0.0f;  // a group of padding alone has no scale
+#pragma unroll
+      for (int k = 0; k < kLd; ++k) {
+        xw[k] = make_uint4(0, 0, 0, 0);
+        c1[k] = c2[k] = CodeWord{};
+        if (valid) load_local_piece(a, e0 + LP::index(j, k, 0), xw[k], c1[k], c2[k]);
+      }
+      if (valid && e0 < a.n) {  // not __ldg: rewritten below (update_local_average)
+        s1 = a.s1[e0 / kStateGroup];
+        s2 = a.s2[e0 / kStateGroup];
+      }
+      float v[kLd][kVec];  // x' (Eq. 10, rescaled), then the residual
+#pragma unroll
+      for (int k = 0; k < kLd; ++k) {
+        const int64_t e = e0 + LP::index(j, k, 0);
+        float m1[kVec], m2[kVec];
+        fast::unpack_values<T, kVec>(xw[k], v[k]);
+        decode_state_piece(c1[k], s1, e, a.n, m1);
+        decode_state_piece(c2[k], s2, e, a.n, m2);
+        apply_and_scale(a, v[k], m1, m2);
+      }
+      uint32_t wire;
+      const fast::Encoder enc = group_encoder<kLd, kLn>(a, v, &wire);  // every lane: shuffles
+      if (!valid) continue;  // a group's lanes leave together (update_local_average's shuffles)
+      if (j == 0) fast::store_wire(prm, local0 + q, a.policy, wire);
+      const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
+      const float inv = unscale_of(a);
+#pragma unroll
+      for (int k = 0; k < kLd; ++k) {
+        uint32_t codes[kVec];
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) {
+          codes[t] = fast::encode<BITS>(v[k][t], enc) & enc.mask;
+          // u = (x' - what the owner decodes) in x's units
+          v[k][t] = mul_rn(sub_rn(v[k][t], fast::decode_fast(codes[t], d)), inv);
+        }
+        fast::store_piece<kVec, BITS>(slot + piece_byte<kLn>(local0 + q, j, k), codes,
+                                      0xFFFFFFFFu);
+      }
+      update_local_average<true>(a, e0, j, v, c1, s1);
+      update_local_average<false>(a, e0, j, v, c2, s2);
     }
   }
 
@@ -846,17 +956,24 @@ struct FastStages {
     const uint16_t* prm = reinterpret_cast<const uint16_t*>(slot + a.params_offset);
     if constexpr (ROT) {
       tail_rotated(a, seg, first, count, local0, warp, warps, lane, slot, prm);
+    } else if constexpr (LOCAL) {  // y alone: LP's two pieces a lane
+      tail_plain<LP::kLoads, LP::kLanes>(a, seg, first, count, local0, warp, warps, lane, slot,
+                                         prm);
     } else {
       tail_plain(a, seg, first, count, local0, warp, warps, lane, slot, prm);
     }
   }
 
+  // LDS, LNS: the pieces a lane and the lanes a group (L's, or LP's in the local residual's
+  // instances).
+  template <int LDS = kLoads, int LNS = kLanes>
   __device__ static void tail_plain(const KernelArgs& a, int seg, int64_t first, int count,
                                     int64_t local0, int warp, int warps, int lane,
                                     const uint8_t* slot, const uint16_t* prm) {
-    const int j = lane % kLanes;
-    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
-      const int q = q0 + lane / kLanes;
+    const int j = lane % LNS;
+    constexpr int kGroups = 32 / LNS;
+    for (int q0 = warp * kGroups; q0 < count; q0 += warps * kGroups) {
+      const int q = q0 + lane / LNS;
       if (q >= count) continue;  // a group's lanes leave together (the int8 state's shuffles)
       const int64_t local = local0 + q;
       const int64_t e0 = (seg * a.seg_groups + first + q) * G;
@@ -869,21 +986,21 @@ struct FastStages {
       constexpr bool kDecodeLate = COMP && !kStateQ8;
       const DequantParams d_early =
           kDecodeLate ? DequantParams{0.0f, 0.0f} : fast::decoder_of<BITS>(wire, a.policy);
-      uint2 words[kLoads];
+      uint2 words[LDS];
 #pragma unroll
-      for (int k = 0; k < kLoads; ++k)  // every load of the group before the first store
-        words[k] = fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k));
-      UpdateIn in[kLoads];
+      for (int k = 0; k < LDS; ++k)  // every load of the group before the first store
+        words[k] = fast::load_piece_word<kVec, BITS>(slot + piece_byte<LNS>(local, j, k));
+      UpdateIn in[LDS];
       if constexpr (!LOCAL) prefetch_update(a, e0, j, in);  // LOCAL: the state is updated
       const DequantParams d = kDecodeLate ? fast::decoder_of<BITS>(wire, a.policy) : d_early;
 #pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
+      for (int k = 0; k < LDS; ++k) {
         uint32_t codes[kVec];
         fast::unpack_piece_codes<kVec, BITS>(words[k], codes);
         float y[kVec];
 #pragma unroll
         for (int t = 0; t < kVec; ++t) y[t] = fast::decode_fast(codes[t], d);
-        store_output(a, e0 + L::index(j, k, 0), y, in[k]);
+        store_output(a, e0 + fast::QuantLayout<T, G, LNS>::index(j, k, 0), y, in[k]);
       }
     }
   }

@@ -58,10 +58,11 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 // ones take no bound: ptxas gives them 64 registers (4 blocks an SM) by itself, and a bound of
 // 4 adds spills.
 // The int8 state's unrotated 16-bit instances with the local residual (EchoConfig.residual =
-// "local"): bound to 4 blocks an SM (64 registers, no spills) rather than 3 unbounded (74
-// registers), which ran slower (docs/gpu.md, "Build switches", has the times).
+// "local", two pieces a lane in the push and the tail): bound to 3 blocks an SM (80 registers,
+// no spills); unbounded ptxas takes 128 (2 blocks), and bound to 4 (64) they spill about 200
+// bytes a thread and ran slower (docs/gpu.md, "Build switches", has the times).
 #ifndef ECHO_P2P_MIN_BLOCKS_LOCAL_16
-#define ECHO_P2P_MIN_BLOCKS_LOCAL_16 4
+#define ECHO_P2P_MIN_BLOCKS_LOCAL_16 3
 #endif
 #ifndef ECHO_P2P_MIN_BLOCKS_Q8
 #define ECHO_P2P_MIN_BLOCKS_Q8 1
