@@ -397,7 +397,8 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
           ") and rank ", i, " disagree on ",
           peer_run != c.run_id ? "the execution (two executions interleaved on one device)"
                                : "the shape or format of the all-reduce",
-          "; every rank must pass the same n, dtype, bits, group_size and policy");
+          "; every rank must pass the same n, dtype, bits, group_size, policy, rotation, "
+          "compensator state (or none) and EchoConfig.state_update / residual");
       ws.MarkBroken(msg);
       return Internal(kWhere, msg);
     }
