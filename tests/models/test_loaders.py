@@ -337,10 +337,15 @@ def test_smollm2_tp_parity_and_perplexity(smollm2):
 #                    compensator's gain on the tiny models and the library's tests
 def test_smollm2_row_order_and_echo_compensation(smollm2):
     """The real checkpoint: llama.cpp's Q/K row order left in place ruins the perplexity, and
-    Echo 4-bit at P = 3 with compensation is closer to exact than without."""
+    Echo 4-bit at P = 3 with compensation is closer to exact than without: its next-token
+    distributions are nearer the exact model's (mean KL divergence over the passage). The
+    perplexity of one 131-token passage is not that measure: a quantization error may lower
+    it by chance (on one CPU the uncompensated run scored 16.99 against 17.97 compensated, with
+    KL 0.29 against 0.22); the 40-window study (docs/studies.md) compares perplexities."""
     cfg, params, _, tokens = smollm2
-    ppl = perplexity(M.apply_sharded(M.shard_params(params, 1, cfg), tokens, cfg,
-                                     C.CommConfig(tp=1), make_mesh((1,), ("tp",))), tokens)
+    exact = M.apply_sharded(M.shard_params(params, 1, cfg), tokens, cfg, C.CommConfig(tp=1),
+                            make_mesh((1,), ("tp",)))
+    ppl = perplexity(exact, tokens)
     mesh3 = make_mesh((3,), ("tp",))
     st3 = M.shard_params(params, 3, cfg)
     # Keeping llama.cpp's interleaved Q/K rows (RoPE pairs wrong) ruins it.
@@ -354,10 +359,19 @@ def test_smollm2_row_order_and_echo_compensation(smollm2):
     bad = perplexity(M.apply_sharded(M.shard_params(permuted, 1, cfg), tokens, cfg,
                                      C.CommConfig(tp=1), make_mesh((1,), ("tp",))), tokens)
     assert bad > 3 * ppl, (bad, ppl)
-    # Echo 4-bit at P = 3: compensation brings perplexity closer to exact.
-    comp = perplexity(M.apply_sharded(st3, tokens, cfg,
-                                      C.CommConfig(tp=3, echo=ej.EchoConfig(bits=4)), mesh3),
-                      tokens)
-    nocomp = perplexity(M.apply_sharded(st3, tokens, cfg, C.CommConfig(
-        tp=3, echo=ej.EchoConfig(bits=4, eta=0.0)), mesh3), tokens)
-    assert ppl < comp < nocomp, (ppl, comp, nocomp)
+    # Echo 4-bit at P = 3: compensation brings the model's distributions closer to exact.
+    def kl_from_exact(logits):   # mean over positions of KL(exact || this), float64 in NumPy
+        p, q = (np.asarray(a, np.float64) for a in (exact, logits))
+        lp = p - p.max(-1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+        lq = q - q.max(-1, keepdims=True)
+        lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+        return float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
+
+    comp = M.apply_sharded(st3, tokens, cfg, C.CommConfig(tp=3, echo=ej.EchoConfig(bits=4)),
+                           mesh3)
+    nocomp = M.apply_sharded(st3, tokens, cfg, C.CommConfig(
+        tp=3, echo=ej.EchoConfig(bits=4, eta=0.0)), mesh3)
+    assert ppl < min(perplexity(comp, tokens), perplexity(nocomp, tokens)), ppl
+    assert kl_from_exact(comp) < kl_from_exact(nocomp), (kl_from_exact(comp),
+                                                          kl_from_exact(nocomp))
