@@ -565,10 +565,10 @@ struct FastStages {
     store_state_pair(a, e, n1, n2);
   }
 
-  // The layout of the local residual's push (push_local) and tail: two loads a lane (half of L's lanes a
-  // group), so that a lane's share of a group's fixed work (its addresses, the encoder, the
-  // shuffle reductions of the range and of each average's largest value, the scales) is spread
-  // over twice the values. Why: with L's one piece a lane that fixed work was about half of the
+  // The layout of the local residual's push (push_local) and tail: two loads a lane (half of
+  // L's lanes a group), so that a lane's share of a group's fixed work (its addresses, the
+  // encoder, the shuffle reductions of the range and of each average's largest value, the
+  // scales) is spread over twice the values. Why: with L's one piece a lane that fixed work was about half of the
   // push's instructions, and the push issued about 2.5 warp instructions a value, three times
   // the plain push's (ffi/tools/sass_mix.py; docs/gpu.md). The wire layout is L's: piece (j, k)
   // of LP is piece k * LP::kLanes + j of the group, its values in index order either way.
