@@ -360,12 +360,13 @@ def test_smollm2_row_order_and_echo_compensation(smollm2):
                                      C.CommConfig(tp=1), make_mesh((1,), ("tp",))), tokens)
     assert bad > 3 * ppl, (bad, ppl)
     # Echo 4-bit at P = 3: compensation brings the model's distributions closer to exact.
-    def kl_from_exact(logits):   # mean over positions of KL(exact || this), float64 in NumPy
-        p, q = (np.asarray(a, np.float64) for a in (exact, logits))
-        lp = p - p.max(-1, keepdims=True)
-        lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
-        lq = q - q.max(-1, keepdims=True)
-        lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
+    def log_softmax(logits):     # float64 in NumPy
+        z = np.asarray(logits, np.float64)
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    def kl_from_exact(logits):   # mean over positions of KL(exact || this)
+        lp, lq = log_softmax(exact), log_softmax(logits)
         return float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
 
     comp = M.apply_sharded(st3, tokens, cfg, C.CommConfig(tp=3, echo=ej.EchoConfig(bits=4)),
