@@ -259,30 +259,20 @@ struct FastStages {
   // shuffles order those reads before the one write.
   __device__ static void store_state_pair(const KernelArgs& a, int64_t e, const float* v1,
                                           const float* v2) {
-    uint32_t amax[2] = {abs_max_bits(v1, e, a.n), abs_max_bits(v2, e, a.n)};
-    group_max<kLanes>(amax);
-    const bool first = threadIdx.x % 32 % kLanes == 0;
-    store_codes(static_cast<int8_t*>(a.m1), a.s1, e, a.n, v1, state_scale_of_bits(amax[0]),
-                first);
-    store_codes(static_cast<int8_t*>(a.m2), a.s2, e, a.n, v2, state_scale_of_bits(amax[1]),
-                first);
-  }
-  // Each of the N values a over the LNS aligned lanes of this lane's group: its largest, the
-  // chains interleaved (in flight together). The shuffles name the group's lanes alone, so a
-  // group whose lanes have all left (past the tile's end) is not waited for; every lane of a
-  // group calls this together.
-  template <int LNS, int N>
-  __device__ __forceinline__ static void group_max(uint32_t (&a)[N]) {
+    uint32_t amax1 = abs_max_bits(v1, e, a.n), amax2 = abs_max_bits(v2, e, a.n);
     const unsigned lane = threadIdx.x % 32;
-    const unsigned mask = LNS == 32 ? 0xFFFFFFFFu : ((1u << LNS) - 1u) << (lane / LNS * LNS);
+    const unsigned mask =
+        kLanes == 32 ? 0xFFFFFFFFu : ((1u << kLanes) - 1u) << (lane / kLanes * kLanes);
 #pragma unroll
-    for (int off = LNS / 2; off > 0; off /= 2) {
-      uint32_t o[N];
-#pragma unroll
-      for (int i = 0; i < N; ++i) o[i] = __shfl_xor_sync(mask, a[i], off);
-#pragma unroll
-      for (int i = 0; i < N; ++i) a[i] = max(a[i], o[i]);
+    for (int off = kLanes / 2; off > 0; off /= 2) {
+      const uint32_t o1 = __shfl_xor_sync(mask, amax1, off);
+      const uint32_t o2 = __shfl_xor_sync(mask, amax2, off);
+      amax1 = max(amax1, o1);
+      amax2 = max(amax2, o2);
     }
+    const bool first = lane % kLanes == 0;
+    store_codes(static_cast<int8_t*>(a.m1), a.s1, e, a.n, v1, state_scale_of_bits(amax1), first);
+    store_codes(static_cast<int8_t*>(a.m2), a.s2, e, a.n, v2, state_scale_of_bits(amax2), first);
   }
   // kVec fp32 values stored at element e (a bf16 state rounded to nearest even); none past n.
   __device__ static void store_state(const KernelArgs& a, void* m, int64_t e, const float* v) {
@@ -369,32 +359,26 @@ struct FastStages {
     Pack<S, kVec> m1, m2;   // kVec values of the state as stored (int8: codes)
     float s1, s2;           // the int8 state's scales
   };
-  // x, m1, m2 of the piece at element e as stored (the int8 state: codes), loaded together;
-  // past n, zeros.
-  __device__ static void load_piece_words(const KernelArgs& a, int64_t e, uint4& xw,
-                                          Pack<S, kVec>& w1, Pack<S, kVec>& w2) {
+  // The words of the piece at element e; past n, zeros (x, m1, m2 then read as +0, as
+  // load_raw / load_state give them; an int8 group of padding alone has scale 0).
+  __device__ static void load_own(const KernelArgs& a, int64_t e, OwnWords& o) {
     const T* x = static_cast<const T*>(a.x);
     const S* m1 = static_cast<const S*>(a.m1);
     const S* m2 = static_cast<const S*>(a.m2);
     if (e + kVec <= a.n) {
-      xw = *reinterpret_cast<const uint4*>(x + e);
-      w1 = *reinterpret_cast<const Pack<S, kVec>*>(m1 + e);
-      w2 = *reinterpret_cast<const Pack<S, kVec>*>(m2 + e);
+      o.x = *reinterpret_cast<const uint4*>(x + e);
+      o.m1 = *reinterpret_cast<const Pack<S, kVec>*>(m1 + e);
+      o.m2 = *reinterpret_cast<const Pack<S, kVec>*>(m2 + e);
     } else {  // the row's last piece
       Pack<T, kVec> xs;
 #pragma unroll
       for (int t = 0; t < kVec; ++t) {
         xs.v[t] = e + t < a.n ? x[e + t] : from_f32<T>(0.0f);
-        w1.v[t] = e + t < a.n ? m1[e + t] : state_zero();
-        w2.v[t] = e + t < a.n ? m2[e + t] : state_zero();
+        o.m1.v[t] = e + t < a.n ? m1[e + t] : state_zero();
+        o.m2.v[t] = e + t < a.n ? m2[e + t] : state_zero();
       }
-      xw = *reinterpret_cast<const uint4*>(&xs);
+      o.x = *reinterpret_cast<const uint4*>(&xs);
     }
-  }
-  // The words of the piece at element e; past n, zeros (x, m1, m2 then read as +0, as
-  // load_raw / load_state give them; an int8 group of padding alone has scale 0).
-  __device__ static void load_own(const KernelArgs& a, int64_t e, OwnWords& o) {
-    load_piece_words(a, e, o.x, o.m1, o.m2);
     if constexpr (kStateQ8) {  // not __ldg: rewritten in this kernel (load_state_q8)
       o.s1 = e < a.n ? a.s1[e / kStateGroup] : 0.0f;
       o.s2 = e < a.n ? a.s2[e / kStateGroup] : 0.0f;
@@ -590,10 +574,36 @@ struct FastStages {
   // of LP is piece k * LP::kLanes + j of the group, its values in index order either way.
   using LP = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, 2>()>;
 
+  // push_local's words of the piece at element e: x (+0 past n) and the codes of m1, m2 (0 past
+  // n), loaded together, decoded where they are used.
+  __device__ static void load_local_piece(const KernelArgs& a, int64_t e, uint4& x, CodeWord& c1,
+                                          CodeWord& c2) {
+    const T* xs = static_cast<const T*>(a.x);
+    const int8_t* q1 = static_cast<const int8_t*>(a.m1);
+    const int8_t* q2 = static_cast<const int8_t*>(a.m2);
+    if (e + kVec <= a.n) {
+      x = *reinterpret_cast<const uint4*>(xs + e);
+      c1 = *reinterpret_cast<const CodeWord*>(q1 + e);
+      c2 = *reinterpret_cast<const CodeWord*>(q2 + e);
+    } else {  // the row's last piece
+      Pack<T, kVec> xv;
+      int8_t b1[kVec], b2[kVec];
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        const bool in = e + t < a.n;
+        xv.v[t] = in ? xs[e + t] : from_f32<T>(0.0f);
+        b1[t] = in ? q1[e + t] : 0;
+        b2[t] = in ? q2[e + t] : 0;
+      }
+      x = *reinterpret_cast<const uint4*>(&xv);
+      memcpy(&c1, b1, kVec);
+      memcpy(&c2, b2, kVec);
+    }
+  }
   // The values of the int8 codes c of the piece at element e under scale s; 0 past n (as
   // load_state_q8 gives them).
-  __device__ __forceinline__ static void decode_state_piece(const Pack<S, kVec>& c, float s,
-                                                            int64_t e, int64_t n, float* v) {
+  __device__ __forceinline__ static void decode_state_piece(const CodeWord& c, float s, int64_t e,
+                                                            int64_t n, float* v) {
     codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(c), s, v);
     if (e + kVec > n) {
 #pragma unroll
@@ -609,9 +619,9 @@ struct FastStages {
   template <bool M1>
   __device__ static void update_local_average(const KernelArgs& a, int64_t e0, int j,
                                               const float (&u)[LP::kLoads][kVec],
-                                              const Pack<S, kVec> (&c)[LP::kLoads], float s) {
+                                              const CodeWord (&c)[LP::kLoads], float s) {
     float nv[LP::kLoads][kVec];
-    uint32_t amax[1] = {0};
+    uint32_t amax = 0;
 #pragma unroll
     for (int k = 0; k < LP::kLoads; ++k) {
       const int64_t e = e0 + LP::index(j, k, 0);
@@ -623,10 +633,14 @@ struct FastStages {
         comp_update_residual(u[k][t], M1 ? m[t] : 0.0f, M1 ? 0.0f : m[t], a.k, &n1, &n2);
         nv[k][t] = M1 ? n1 : n2;
       }
-      amax[0] = max(amax[0], abs_max_bits(nv[k], e, a.n));
+      amax = max(amax, abs_max_bits(nv[k], e, a.n));
     }
-    group_max<LP::kLanes>(amax);
-    const StateScale sc = state_scale_of_bits(amax[0]);
+    constexpr int kLn = LP::kLanes;
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned mask = kLn == 32 ? 0xFFFFFFFFu : ((1u << kLn) - 1u) << (lane / kLn * kLn);
+#pragma unroll
+    for (int off = kLn / 2; off > 0; off /= 2) amax = max(amax, __shfl_xor_sync(mask, amax, off));
+    const StateScale sc = state_scale_of_bits(amax);
 #pragma unroll
     for (int k = 0; k < LP::kLoads; ++k)
       store_codes(static_cast<int8_t*>(M1 ? a.m1 : a.m2), M1 ? a.s1 : a.s2,
@@ -649,13 +663,13 @@ struct FastStages {
       const bool valid = q < count;
       const int64_t e0 = (seg * a.seg_groups + first + q) * G;
       uint4 xw[kLd];
-      Pack<S, kVec> c1[kLd], c2[kLd];  // the codes of m1, m2
+      CodeWord c1[kLd], c2[kLd];
       float s1 = 0.0f, s2 = 0.0f;  // a group of padding alone has no scale
 #pragma unroll
       for (int k = 0; k < kLd; ++k) {
         xw[k] = make_uint4(0, 0, 0, 0);
-        c1[k] = c2[k] = Pack<S, kVec>{};
-        if (valid) load_piece_words(a, e0 + LP::index(j, k, 0), xw[k], c1[k], c2[k]);
+        c1[k] = c2[k] = CodeWord{};
+        if (valid) load_local_piece(a, e0 + LP::index(j, k, 0), xw[k], c1[k], c2[k]);
       }
       if (valid && e0 < a.n) {  // not __ldg: rewritten below (update_local_average)
         s1 = a.s1[e0 / kStateGroup];
