@@ -31,6 +31,9 @@ the host does not wait between calls. `kernels` runs 8 calls an iteration on 8 d
 (`--calls-per-iteration`), so the loop's own cost per iteration (a few microseconds on a GPU)
 is shared by 8 calls of a kernel that takes 50-150 us.
 
+Every JSON starts with the run's "command", "commit" and "device" (`echo_jax_tools.provenance`;
+for `project`, which computes nothing on a device, `projection.NO_DEVICE`).
+
 The end-to-end benchmark of a `models` preset (time to first token and training step per
 all-reduce mode) is `python -m models.bench_e2e`: the tools do not import the models.
 """
@@ -60,7 +63,10 @@ from echo_jax import compensator as comp
 from echo_jax._cli import (SIZE_ALIASES, format_size, parse_size,  # noqa: F401 - bench.parse_size
                            parse_sizes, positive_int, request_host_devices, write_json)
 from echo_jax.transports import cuda
-from echo_jax_tools import projection
+from echo_jax_tools import projection, provenance
+
+#: The module run, as a results JSON's "command" names it.
+PROGRAM = "echo_jax_tools.bench"
 
 #: Rows of `bench allreduce`, in the order they are run and printed.
 ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-rot", "p2p4-rescale", "p2p4-comp-unfused",
@@ -607,7 +613,7 @@ def bench_allreduce(args) -> dict:
         notes.append("CPU fake devices: the ranks are host threads sharing the machine's cores "
                      "and memory; the p2p rows use the CPU custom call. Not representative of "
                      "GPU interconnects")
-    return dict(benchmark="allreduce", machine=machine, device=str(devices[0].device_kind),
+    return dict(benchmark="allreduce", machine=machine, device=provenance.device_name(devices),
                 platform=devices[0].platform, ranks=ranks, virtual=bool(args.virtual),
                 dtype=dtype.name, sizes=list(args.sizes),
                 timing=timing_note(args.iters, args.warmup, args.repeats), notes=notes,
@@ -850,7 +856,7 @@ def bench_kernels(args) -> dict:
     timing = (timing_note(args.iters, args.iters, args.repeats) +
               f"; {args.calls_per_iteration} calls of the op per iteration on different inputs "
               "(seconds is per call)")
-    return {"benchmark": "kernels", "device": str(jax.devices()[0].device_kind),
+    return {"benchmark": "kernels", "device": provenance.device_name(jax.devices()[:1]),
             "timing": timing, "rows": rows}
 
 
@@ -905,7 +911,8 @@ def bench_virtual(args) -> dict:
         for r in rows:
             if r["size_bytes"] == size:
                 r["speedup_vs_xla4"] = base / r["median_s"]
-    return {"benchmark": "virtual", "ranks": P, "device": str(jax.devices()[0].device_kind),
+    return {"benchmark": "virtual", "ranks": P,
+            "device": provenance.device_name(jax.devices()[:1]),
             "note": "P virtual ranks share one GPU: no NVLink, all traffic is local HBM; "
                     "not representative of a multi-GPU all-reduce", "rows": rows}
 
@@ -1044,7 +1051,9 @@ def main(argv=None) -> int:
         request_host_devices(args.ranks or 8, minimum=8)
     try:
         if args.cmd in ("allreduce", "gate"):
-            result = {**projection.provenance(argv), **bench_allreduce(args)}
+            result = bench_allreduce(args)
+            result = {**provenance.record(provenance.command(PROGRAM, argv), result["device"]),
+                      **result}
             if args.gate:
                 result["gate"] = gate_summary(result, args.gate_row)
             print(format_allreduce_table(result))
@@ -1063,8 +1072,9 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"python -m echo_jax_tools.bench {args.cmd}: error: {err}", file=sys.stderr)
         return 2
-    result = {**projection.provenance(argv),
-              **(bench_kernels(args) if args.cmd == "kernels" else bench_virtual(args))}
+    result = bench_kernels(args) if args.cmd == "kernels" else bench_virtual(args)
+    result = {**provenance.record(provenance.command(PROGRAM, argv), result["device"]),
+              **result}
     for row in result["rows"]:
         print(json.dumps(row))
     if args.json:

@@ -117,9 +117,10 @@ The paper's anchors (8x A100 NVLink, P = 4, g = 128, 1 GB 16-bit messages; Sec. 
 Echo 4-bit 2.65x, 4-bit with fused compensation 2.09x, 8-bit 1.63x against 16-bit NCCL.
 
 Output: a table (the compensated rows' cells read "not projected" where no added time was
-measured) and, with --json, the rows and their sources: "command" and "commit" of this projection,
-and under "inputs" each input JSON's path with its own "command", "commit" and "device" fields as
-the file has them (null where it has none).
+measured) and, with --json, the rows and their sources: "command", "commit" and "device" of this
+projection (the device: NO_DEVICE, it computes nothing on one), and under "inputs" each input
+JSON's path with its own "command", "commit" and "device" fields as the file has them (null where
+it has none).
 
 A measurement with the added times (one GPU, 4 virtual ranks), then the one line that projects it:
     python -m echo_jax_tools.bench allreduce --virtual --ranks 4 --sizes 64MB,256MB \
@@ -139,14 +140,14 @@ import dataclasses
 import json
 import math
 import os
-import shlex
-import subprocess
 
 import numpy as np
 
 from echo_jax import policies
 from echo_jax._cli import format_size, parse_sizes, write_json
 from echo_jax.transports.base import segment_layout
+from echo_jax_tools import provenance as _provenance
+from echo_jax_tools.provenance import source_commit  # noqa: F401 - projection.source_commit
 
 #: Rows of the projection, in the order they are printed.
 ROWS = ("psum", "xla4", "p2p4", "p2p8", "comp-fused", "comp-separate")
@@ -410,41 +411,18 @@ def _device_hbm(device: str | None) -> float | None:
     return None
 
 
-def source_commit() -> str | None:
-    """The commit of this code (short hash; "-dirty" with uncommitted changes to tracked files
-    outside results/, which the runs write), or None where the module does not run from a git
-    checkout of the project."""
-    here = os.path.dirname(os.path.abspath(__file__))
-
-    def git(*cmd):
-        return subprocess.run(["git", "-C", here, *cmd], capture_output=True, text=True,
-                              timeout=10)
-
-    try:
-        top = git("rev-parse", "--show-toplevel")
-        if top.returncode or not os.path.isdir(os.path.join(top.stdout.strip(),
-                                                            "echo_jax_tools")) or \
-                not os.path.samefile(os.path.join(top.stdout.strip(), "echo_jax_tools"), here):
-            return None
-        head = git("rev-parse", "--short=7", "HEAD")
-        if head.returncode:
-            return None
-        dirty = git("diff", "--quiet", "HEAD", "--", ":(top)",
-                    ":(top,exclude)results").returncode != 0
-        return head.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
+#: The "device" of a projection's results JSON: it computes nothing on a device.
+NO_DEVICE = "none (a projection from the measured inputs named in `inputs`)"
 
 
 def provenance(argv) -> dict:
-    """{"command", "commit"} of a `python -m echo_jax_tools.bench` run, for its results JSON.
+    """{"command", "commit", "device"} of a `python -m echo_jax_tools.bench project` run, for its
+    results JSON (`echo_jax_tools.provenance`; the device is NO_DEVICE).
 
     Args:
       argv: the command's arguments without the program name (None: unknown).
     """
-    command = None if argv is None else \
-        "python -m echo_jax_tools.bench " + shlex.join(str(a) for a in argv)
-    return {"command": command, "commit": source_commit()}
+    return _provenance.record(_provenance.command("echo_jax_tools.bench", argv), NO_DEVICE)
 
 
 def input_record(path, data: dict | None) -> dict | None:
@@ -939,7 +917,7 @@ def run(args) -> dict:
       args: parsed flags (add_arguments).
 
     Returns:
-      The result dict of `project`, led by the command and commit of this run
+      The result dict of `project`, led by the command, commit and device of this run
       (`provenance(args.argv)`; args.argv: the arguments after the program name, when known).
     """
     eff = load_efficiency(args.kernels_json, args.allreduce_json)

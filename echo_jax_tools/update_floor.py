@@ -13,7 +13,7 @@ Needs an NVIDIA GPU and the CUDA module (`echo_jax._ffi_cuda`).
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 
 ITERS, REPS = 10, 5
@@ -81,17 +81,18 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=4, help="virtual ranks P (default: %(default)s)")
     p.add_argument("--values", type=int, default=64 * 1024 * 1024,
                    help="values a rank (default: %(default)s, 128 MB of bf16)")
-    p.add_argument("--json", help="write the rows, the command and the device here")
+    p.add_argument("--json", help="write the rows, the command, commit and device here")
     args = p.parse_args(argv)
     record = run(args.ranks, args.values)
     if args.json:
-        import sys
+        import jax
 
-        from echo_jax_tools.projection import source_commit
-        record.update(command="python -m echo_jax_tools.update_floor " + " ".join(
-            sys.argv[1:] if argv is None else argv), commit=source_commit())
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        from echo_jax._cli import write_json
+        from echo_jax_tools import provenance
+        made_by = provenance.record(provenance.command(
+            "echo_jax_tools.update_floor", sys.argv[1:] if argv is None else argv),
+            jax.devices()[:1])
+        write_json(args.json, {**made_by, **record})
     return 0
 
 

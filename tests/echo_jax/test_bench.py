@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from echo_jax.transports import cpu
-from echo_jax_tools import bench
+from echo_jax_tools import bench, provenance
 
 QUICK = ["--iters", "2", "--warmup", "1", "--repeats", "1"]
 ROW_KEYS = ("row", "size_bytes", "ranks", "median_s", "speedup_vs_psum", "max_abs_err",
@@ -89,6 +89,7 @@ def test_allreduce_all_rows_json_and_png(tmp_path, capsys):
     assert result["command"] == ("python -m echo_jax_tools.bench allreduce --sizes 64KB --ranks 4 "
                                  f"--gate --json {out} --png {png} " + " ".join(QUICK))
     assert result["commit"] is None or re.fullmatch(r"[0-9a-f]{7,}(-dirty)?", result["commit"])
+    assert result["device"] == provenance.device_name(jax.devices()[:4])   # the 4 ranks' devices
     expected = list(bench.ROWS) if "cpu" in cpu.available_platforms() else \
         ["psum", "xla8", "xla4"]
     assert [r["row"] for r in result["rows"]] == expected
