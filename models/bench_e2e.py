@@ -32,9 +32,10 @@ from jax.sharding import Mesh
 from echo_jax import tp as tp_ops
 from echo_jax._cli import positive_int, request_host_devices, write_json
 from echo_jax.config import EchoConfig
+from echo_jax_tools import provenance
 from echo_jax_tools.bench import machine_name
 from models import model as M
-from models.cli import add_simulate_arg, make_mesh, place
+from models.cli import add_simulate_arg, make_mesh, place, recorded_command
 from models.config import CommConfig, check_tp, get_config, supported_tp
 from models.train import OptimConfig, make_optimizer
 
@@ -325,7 +326,7 @@ def bench_e2e(args) -> dict:
                  else "jitted elementwise pass over a buffer on the one device (competes for "
                       "the device, not for a link)")
     return dict(
-        benchmark="e2e", machine=machine, device=str(devices[0].device_kind),
+        benchmark="e2e", machine=machine, device=provenance.device_name(used),
         platform=devices[0].platform, preset=args.preset, params=cfg.num_params(),
         n_layers=cfg.n_layers, dim=cfg.dim, compute_dtype=cfg.dtype, tp=tp, batch=args.batch,
         seq=seq, placement=placement, transport=args.transport,
@@ -448,6 +449,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns:
       The exit status (0 on success, 2 on a usage or configuration error).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     request_host_devices(args.tp or 8)
     try:
@@ -455,6 +457,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as err:
         print(f"python -m models.bench_e2e: error: {err}", file=sys.stderr)
         return 2
+    result = {**provenance.record(recorded_command("models.bench_e2e", argv), result["device"]),
+              **result}
     print(format_e2e_table(result))
     out = args.json or f"results/bench_e2e_{result['machine']}.json"
     write_json(out, result)

@@ -69,7 +69,7 @@ from echo_jax.collective import echo_psum
 from models import model as M
 from models.checkpoints import load_checkpoint_spec
 from models.cli import (DTYPES, TRANSPORTS, add_simulate_arg, ensure_host_devices, make_mesh,
-                        place, write_json)
+                        place, recorded_command, run_provenance, write_json)
 from models.config import (SITE_NAMES, CommConfig, SitePolicy, check_tp, config_label,
                            config_wire_bits)
 from models.data import select_windows, text_stream
@@ -527,12 +527,14 @@ def run(args) -> dict:
     settings = {"checkpoint": info, "tp": args.tp, "mode": mode, "text": source,
                 "windows": int(len(windows)), "window": args.window,
                 "rotation": args.rotation, "device": str(jax.devices()[0].device_kind)}
-    record = {"format": "echo_jax.calibration/1", "model": cfg.name, **settings,
+    made_by = run_provenance(getattr(args, "command", None), mesh)
+    record = {**made_by, "format": "echo_jax.calibration/1", "model": cfg.name, **settings,
               "budget_bits": args.budget_bits,
               "wire_bits_per_element": policy.wire_bits_per_element(), **record,
               "total_seconds": round(time.perf_counter() - t0, 2)}
     policy.save(args.out, model=cfg.name, tp=args.tp,
-                extra={"calibration": compact_calibration(record, args.budget_bits, settings)})
+                extra={**made_by,
+                       "calibration": compact_calibration(record, args.budget_bits, settings)})
     print(f"method {stats['method']}; {stats['seconds']:.1f} s; chosen: "
           f"{summarize_choice(policy, cfg.n_layers)}")
     print(f"wrote {args.out}")
@@ -551,8 +553,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns:
       The exit status (0 ok, 1 a clear error, 2 a usage error).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.command = recorded_command("models.calibrate", argv)
     for flag, v in (("--tp", args.tp), ("--windows", args.windows), ("--window", args.window),
                     ("--batch-size", args.batch_size)):
         if v <= 0:

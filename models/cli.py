@@ -10,7 +10,8 @@ bench_e2e): one set of flags and one meaning for each.
   `comm_from_args` -> CommConfig, `comm_to_dict` for the JSON records.
 * Checkpoint flags: `add_model_args` (--checkpoint, --step, --dtype, --tokenizer, --cache-dir);
   the loading itself is `models.checkpoints`.
-* Output: `write_json` (atomic).
+* Output: `write_json` (atomic); `recorded_command` and `run_provenance`, the "command",
+  "commit" and "device" every results JSON starts with.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jax.sharding import Mesh
 from echo_jax import policies
 from echo_jax._cli import request_host_devices, write_json
 from echo_jax.config import EchoConfig
+from echo_jax_tools import provenance
 from models import model as M
 from models.config import CommConfig, load_site_policy
 
@@ -45,23 +47,27 @@ LOCAL_DIR_FLAGS = ("--cache-dir", "--checkpoint-dir", "--shakespeare-dir", "--to
 
 def recorded_command(program: str, argv) -> str:
     """A run's command line as its results JSON records it: `python -m <program>` and the
-    arguments, the value of each local-folder flag (`LOCAL_DIR_FLAGS`) written as DIR.
+    arguments (`echo_jax_tools.provenance.command`), the value of each local-folder flag
+    (`LOCAL_DIR_FLAGS`) written as DIR.
 
     Args:
       program: the module run, e.g. "models.train".
       argv: the arguments as given (`sys.argv[1:]`).
     """
-    out, hide = [f"python -m {program}"], False
-    for a in argv:
-        flag = a.split("=", 1)[0]
-        if hide:
-            out.append("DIR")
-        elif "=" in a and flag in LOCAL_DIR_FLAGS:
-            out.append(flag + "=DIR")
-        else:
-            out.append(a)
-        hide = a in LOCAL_DIR_FLAGS
-    return " ".join(out)
+    return provenance.command(program, argv, LOCAL_DIR_FLAGS)
+
+
+def run_provenance(command: str | None, mesh) -> dict:
+    """{"command", "commit", "device"} of a run, the first keys of its results JSON
+    (`echo_jax_tools.provenance.record`).
+
+    Args:
+      command: `recorded_command(...)` of the run.
+      mesh: the mesh of `make_mesh` (its devices), or None: the vmap simulation on the default
+        device.
+    """
+    devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+    return provenance.record(command, devices)
 
 
 def ensure_host_devices(n: int) -> None:
@@ -252,4 +258,5 @@ def load_token_dir(path: str):
 
 __all__ = ["DTYPES", "LOCAL_DIR_FLAGS", "POLICIES", "TRANSPORTS", "add_comm_args", "add_model_args",
            "add_simulate_arg", "comm_from_args", "comm_to_dict", "ensure_host_devices",
-           "load_token_dir", "make_mesh", "place", "recorded_command", "write_json"]
+           "load_token_dir", "make_mesh", "place", "recorded_command", "run_provenance",
+           "write_json"]

@@ -42,7 +42,8 @@ from models import data as D
 from models import model as M
 from models.checkpoints import load_model
 from models.cli import (add_comm_args, add_model_args, comm_from_args, comm_to_dict,
-                        ensure_host_devices, load_token_dir, make_mesh, place, write_json)
+                        ensure_host_devices, load_token_dir, make_mesh, place, recorded_command,
+                        run_provenance, write_json)
 from models.config import check_comm
 
 
@@ -202,8 +203,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns:
       The exit status.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.command = recorded_command("models.eval", argv)
     for flag, v in (("--tp", args.tp), ("--window", args.window),
                     ("--batch-size", args.batch_size)):
         if v <= 0:
@@ -268,6 +271,7 @@ def evaluate(args) -> dict:
     score_s = time.perf_counter() - t1
     nll = nll_sum / count
     result = {
+        **run_provenance(getattr(args, "command", None), mesh),
         "perplexity": math.exp(nll), "tokens": count, "nll": nll, "nll_sum": nll_sum,
         "wire_bits_per_element": wire_bits_per_element(cfg, comm, batch_size * args.window),
         "wire_bits_nominal": comm.wire_bits_per_element(cfg.n_layers),

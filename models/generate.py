@@ -25,7 +25,8 @@ import numpy as np
 from models import model as M
 from models.checkpoints import load_model
 from models.cli import (add_comm_args, add_model_args, comm_from_args, comm_to_dict,
-                        ensure_host_devices, make_mesh, place, write_json)
+                        ensure_host_devices, make_mesh, place, recorded_command, run_provenance,
+                        write_json)
 from models.config import check_comm
 
 # SmolLM2-Instruct's chat template (its default system prompt when none is given).
@@ -147,8 +148,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns:
       The exit status.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.command = recorded_command("models.generate", argv)
     if args.tp <= 0 or args.max_new_tokens <= 0:
         ap.error("--tp and --max-new-tokens must be positive")
     if args.temperature < 0 or args.top_k < 0:
@@ -195,7 +198,8 @@ def _run(args) -> dict:
     print(f"[{n} tokens; prefill {out['prefill_s']:.2f} s, decode {out['decode_s']:.2f} s "
           f"({n / max(out['decode_s'], 1e-9):.1f} tok/s incl. compilation)"
           f"{'; stopped at end-of-sequence' if out['stopped'] else ''}]", file=sys.stderr)
-    return {"prompt": text, "prompt_ids": prompt_ids, "completion": completion,
+    return {**run_provenance(getattr(args, "command", None), mesh),
+            "prompt": text, "prompt_ids": prompt_ids, "completion": completion,
             "completion_ids": ids, "stopped_at_eos": out["stopped"],
             "config": {**lm.info, "model": dataclasses.asdict(cfg), "comm": comm_to_dict(comm),
                        "mode": mode, "temperature": args.temperature, "top_k": args.top_k,

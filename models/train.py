@@ -60,7 +60,6 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from echo_jax_tools.projection import source_commit
 from models import data as D
 from models import model as M
 from models.checkpoints import (CHECKPOINT_FORMAT, RUN_FILE, TOKENIZER_FILE,
@@ -69,7 +68,7 @@ from models.checkpoints import (CHECKPOINT_FORMAT, RUN_FILE, TOKENIZER_FILE,
                                 read_checkpoint_meta, save_checkpoint)
 from models.cli import (DTYPES, LOCAL_DIR_FLAGS, add_comm_args, comm_from_args, comm_to_dict,
                         ensure_host_devices, load_token_dir, make_mesh, place, recorded_command,
-                        write_json)
+                        run_provenance, write_json)
 from models.config import ModelConfig, check_comm, get_config
 from models.eval import score_windows
 from models.tokenizer import train_tokenizer
@@ -649,9 +648,8 @@ def _train(args) -> int:
     if args.eval_every > 0 and not eval_enabled:
         print("note: no held-out text long enough for --eval-every; evaluation off")
 
-    # Which code and device made the run (every results JSON records them).
-    made_by = {"commit": source_commit(), "device": jax.devices()[0].device_kind,
-               "command": getattr(args, "command", None)}
+    # Which command, code and device made the run (every results JSON records them).
+    made_by = run_provenance(getattr(args, "command", None), mesh)
 
     def record(now_elapsed):
         return {**made_by, "label": label, "config": config_record, "history": history,

@@ -13,7 +13,7 @@ from models.cli import write_json
 from models.config import CommConfig
 from models.experiments.helpers import (Scorer, Variant, announce, describe_comm, echo_config,
                                         exact_comm, format_rows, load_setup, log_line, progress_bar,
-                                        recorded_command, utc_now)
+                                        provenance, utc_now)
 from models.experiments.plots import plot_ablations
 
 #: Ablation rows (the Echo paper Table 8 analog): key, group, label, EchoConfig changes. Each row
@@ -104,8 +104,9 @@ def run_ablations(args) -> dict:
             for key, group, label in ABLATION_ALIASES:
                 rows.append({**src, "key": key, "group": group, "variant": label + " (= full)",
                              "same_run_as": "full"})
-    record = {"experiment": "ablations", "paper": "the Echo paper Table 8 (Sec. 7.4)",
-              "created": utc_now(), "command": recorded_command(args), "meta": setup.meta,
+    record = {**provenance(args, setup),
+              "experiment": "ablations", "paper": "the Echo paper Table 8 (Sec. 7.4)",
+              "created": utc_now(), "meta": setup.meta,
               "note": args.note, "rows": rows}
     out = Path(args.out_dir) / (f"accuracy_ablations{'_' + args.tag if args.tag else ''}.json")
     write_json(out, record)

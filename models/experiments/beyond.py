@@ -25,7 +25,7 @@ from models.config import CommConfig, load_site_policy
 from models.data import select_windows, text_stream
 from models.experiments.helpers import (BEYOND_8BIT_PCT, BEYOND_BUDGET, BEYOND_TARGET_PCT, Scorer,
                                         Setup, announce, describe_comm, echo_config, format_rows,
-                                        load_setup, log_line, recorded_command, utc_now)
+                                        load_setup, log_line, provenance, utc_now)
 from models.experiments.plots import plot_beyond
 
 #: The default rows of `beyond` (16-bit always runs first, as the reference). A key is either an
@@ -138,7 +138,8 @@ def beyond_variants(setup: Setup, args, keys: Sequence[str], out_dir: Path):
             settings = {"checkpoint": setup.meta.get("checkpoint"), "tp": setup.tp,
                         "mode": setup.mode, "rotation": spec["rotation"], **text}
             policy.save(path, model=setup.model_cfg.name, tp=setup.tp,
-                        extra={"calibration": K.compact_calibration(rec, spec["budget"],
+                        extra={**provenance(args, setup),
+                               "calibration": K.compact_calibration(rec, spec["budget"],
                                                                    settings)})
             summary = K.summarize_choice(policy, setup.model_cfg.n_layers)
             extra = {"calibration": {"method": stats["method"], "budget_bits": spec["budget"],
@@ -260,13 +261,14 @@ def _beyond_record(args, setup: Setup, rows: list, skipped: list) -> dict:
             "8bit_within_target": None if eight is None else bool(
                 eight["rel_delta_ppl_vs_16bit_pct"] <= BEYOND_8BIT_PCT),
             "8bit_target_pct": BEYOND_8BIT_PCT}
-    return {"experiment": "beyond", "paper": "beyond the Echo paper: per-site precision "
-              "(cf. its early-site policy, Sec. 7.2), group size g (Sec. 4, Table 8) and rotation "
-              "at about 4-bit wire cost", "created": utc_now(), "command": recorded_command(args),
-              "meta": {**setup.meta, "wire_bits": "average over the 2 L forward sites of one "
-                       "pass of codes plus bf16 scale / fp16 zero-point bits per element (padding "
-                       "included; wire_bits_nominal without)",
-                       "calibration_text": "the training split (no held-out work) unless "
-                                           "--calib-text"},
-              "note": args.note, "goal": goal, "pareto": [rows[i]["key"] for i in front],
-              "skipped": skipped, "rows": rows}
+    return {**provenance(args, setup),
+            "experiment": "beyond", "paper": "beyond the Echo paper: per-site precision "
+            "(cf. its early-site policy, Sec. 7.2), group size g (Sec. 4, Table 8) and rotation "
+            "at about 4-bit wire cost", "created": utc_now(),
+            "meta": {**setup.meta, "wire_bits": "average over the 2 L forward sites of one "
+                     "pass of codes plus bf16 scale / fp16 zero-point bits per element (padding "
+                     "included; wire_bits_nominal without)",
+                     "calibration_text": "the training split (no held-out work) unless "
+                                         "--calib-text"},
+            "note": args.note, "goal": goal, "pareto": [rows[i]["key"] for i in front],
+            "skipped": skipped, "rows": rows}

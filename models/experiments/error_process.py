@@ -24,7 +24,7 @@ from models import model as M
 from models.cli import place, write_json
 from models.config import CommConfig
 from models.experiments.helpers import (Variant, announce, describe_comm, echo_config, format_rows,
-                                        load_setup, progress_bar, recorded_command, utc_now)
+                                        load_setup, progress_bar, provenance, utc_now)
 from models.experiments.plots import plot_error_process
 
 SITE_KEYS = ("delta", "rho", "partial_sum", "block_output", "hidden", "state")
@@ -211,9 +211,9 @@ def run_error_process(args) -> dict:
         per_site[v.key] = {k: [float(x) for x in r[k]] for k in SITE_KEYS}
         per_site[v.key].update({k + "_median": [float(x) for x in r[k + "_median"]]
                                 for k in ("delta", "partial_sum", "hidden")})
-    record = {"experiment": "error-process", "paper": "the Echo paper Sec. 3.3, Eqs. 1, 5, 6; "
+    record = {**provenance(args, setup),
+              "experiment": "error-process", "paper": "the Echo paper Sec. 3.3, Eqs. 1, 5, 6; "
               "Theorem 1 (Eq. 19) and Eq. 21", "created": utc_now(),
-              "command": recorded_command(args),
               "meta": {**setup.meta, "norm": "per-token L2 norms over the hidden dimension; "
                        "per_site[mode][key] is their rms over tokens (sqrt(mean ||v||^2)), "
                        "[key + '_median'] their median; the max_* row fields use the rms; "

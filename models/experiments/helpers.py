@@ -21,7 +21,7 @@ from echo_jax.config import EchoConfig
 from models import eval as E
 from models import model as M
 from models.checkpoints import load_checkpoint_spec
-from models.cli import make_mesh, place
+from models.cli import make_mesh, place, run_provenance
 from models.cli import recorded_command as cli_command
 from models.config import CommConfig, check_tp, config_label, supported_tp
 from models.data import select_windows, text_stream
@@ -288,3 +288,9 @@ def log_line(args, line: str) -> None:
 def recorded_command(args) -> str:
     """The command line of this run as stored in its JSON record (local folders as DIR)."""
     return cli_command("models.experiments", args.argv)
+
+
+def provenance(args, setup: Setup) -> dict:
+    """{"command", "commit", "device"} of this run, the first keys of its JSON records
+    (`models.cli.run_provenance`; the device(s) of the setup's runner)."""
+    return run_provenance(recorded_command(args), setup.mesh)

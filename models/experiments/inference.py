@@ -13,7 +13,7 @@ from models.cli import write_json
 from models.config import CommConfig
 from models.experiments.helpers import (Scorer, Variant, announce, describe_comm, echo_config,
                                         format_rows, load_setup, log_line, progress_bar,
-                                        recorded_command, utc_now)
+                                        provenance, utc_now)
 from models.experiments.plots import plot_inference
 
 
@@ -82,8 +82,9 @@ def run_inference(args) -> dict:
                      **describe_comm(v.comm), **nums})
         log_line(args, f"{v.label:<48} ppl {nums['perplexity']:10.4f}  agreement "
                    f"{nums.get('greedy_agreement', float('nan')):.4f}")
-    record = {"experiment": "inference", "paper": "the Echo paper Tables 4-6 (Sec. 7.2)",
-              "created": utc_now(), "command": recorded_command(args), "meta": setup.meta,
+    record = {**provenance(args, setup),
+              "experiment": "inference", "paper": "the Echo paper Tables 4-6 (Sec. 7.2)",
+              "created": utc_now(), "meta": setup.meta,
               "note": args.note, "rows": rows}
     out = Path(args.out_dir) / f"accuracy_inference_{setup.name}.json"
     write_json(out, record)

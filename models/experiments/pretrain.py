@@ -112,12 +112,13 @@ def run_pretrain_table(args) -> dict:
     rows = pretrain_table(runs, args.labels, args.baseline, args.early_step)
     for row, path in zip(rows, args.runs):
         row["file"] = str(path)
-    # Which code and device made the runs (each models.train JSON records its own).
+    # Which code and device made the runs (each models.train JSON records its own): the table
+    # computes nothing on a device, its "commit" and "device" are the runs'.
     made_by = {k: ", ".join(dict.fromkeys(str(r[k]) for r in runs if r.get(k))) or None
                for k in ("commit", "device")}
-    record = {"experiment": "pretrain-table", "paper": "the Echo paper Table 7 (Sec. 7.3)",
-              "created": utc_now(), "command": recorded_command(args), **made_by,
-              "note": args.note, "tail": TAIL, "rows": rows}
+    record = {"command": recorded_command(args), **made_by,
+              "experiment": "pretrain-table", "paper": "the Echo paper Table 7 (Sec. 7.3)",
+              "created": utc_now(), "note": args.note, "tail": TAIL, "rows": rows}
     out = Path(args.out_dir) / (f"accuracy_pretrain{'_' + args.tag if args.tag else ''}.json")
     write_json(out, record)
     png = out.with_suffix(".png")

@@ -67,6 +67,7 @@ from echo_jax._cli import request_host_devices, write_json
 from echo_jax.compensator import CompensatorState
 from echo_jax.config import EchoConfig
 from echo_jax.flax import site_with_carrier
+from echo_jax_tools import provenance
 
 try:  # the model package; `pip install --no-deps recurrentgemma` (docs/external_model.md)
     from recurrentgemma import common as rg_common
@@ -78,6 +79,8 @@ except ImportError as err:  # pragma: no cover - exercised where the package is 
 else:
     _IMPORT_ERROR = None
 
+#: The module run, as the results JSON's "command" names it.
+PROGRAM = "models.external.recurrentgemma_tp"
 #: The mesh axes: data parallel x tensor parallel.
 AXES = ("data", "tp")
 #: The all-reduce modes: name -> (EchoConfig or None, compensated).
@@ -651,6 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     request_host_devices(args.dp * args.tp)
     try:
@@ -664,13 +668,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     train, heldout, source = byte_stream(args.text)
     out = Path(args.out)
+    # The run's command, commit and the dp x tp devices of its mesh.
+    made_by = provenance.record(provenance.command(PROGRAM, argv),
+                                jax.devices()[:run.dp * run.tp])
     if args.parity:
         meshes = [(1, run.tp)] + ([(run.dp, run.tp)] if run.dp > 1 else [])
         rows = parity(run, train, meshes)
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "recurrentgemma_tp_parity.json",
-                   dict(model="recurrentgemma.jax.Griffin", package=_package_version(),
-                        text=source, config=dataclasses.asdict(run), rows=rows))
+                   dict(**made_by, model="recurrentgemma.jax.Griffin",
+                        package=_package_version(), text=source, config=dataclasses.asdict(run),
+                        rows=rows))
         print(parity_table(rows), end="")
         print(f"wrote {out / 'recurrentgemma_tp_parity.json'}")
         return 0
@@ -678,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tail = max(1, min(50, run.steps // 5))
     table = loss_table(runs, run.steps, tail)
     out.mkdir(parents=True, exist_ok=True)
-    record = dict(model="recurrentgemma.jax.Griffin", package=_package_version(),
+    record = dict(**made_by, model="recurrentgemma.jax.Griffin", package=_package_version(),
                   text=source, config=dataclasses.asdict(run), tail=tail,
                   devices=f"{jax.device_count()} x {jax.devices()[0].platform}", runs=runs)
     write_json(out / "recurrentgemma_tp.json", record)

@@ -11,6 +11,7 @@ import jax
 import pytest
 
 import echo_jax as ej
+from echo_jax_tools.provenance import device_name
 from models import bench_e2e
 
 
@@ -74,6 +75,8 @@ def test_e2e_tiny(tmp_path, capsys):
     assert "TTFT" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["tp"] == 2 and result["preset"] == "tiny" and result["machine"] == "cpu2"
+    assert result["command"].startswith("python -m models.bench_e2e --preset tiny --tp 2 ")
+    assert result["commit"] and result["device"] == device_name(jax.devices()[:2])
     assert result["allreduce_calls"] == dict(prefill=4, train_step=8,
                                              message_bytes_per_rank=1 * 8 * 64 * 4)
     assert "allreduce_share" in result["definitions"] and "timing" in result

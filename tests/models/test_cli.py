@@ -15,9 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
+from echo_jax_tools.provenance import device_name
 from models import checkpoints as CK
 from models import cli as CLI
 from models import eval as E
@@ -143,7 +145,8 @@ def test_train_loss_decreases_and_outputs_are_written(run, capsys):
     assert "--cache-dir DIR" in rec["command"] and "--checkpoint-dir DIR" in rec["command"]
     recorded = json.dumps({k: rec[k] for k in ("command", "config")})
     assert str(run / "cache") not in recorded and str(run / "ckA") not in recorded
-    assert rec["commit"] and rec["device"]
+    assert rec["commit"] and rec["device"] == device_name(jax.devices()[:1])  # simulated
+    assert list(rec)[:3] == ["command", "commit", "device"]
     h = rec["history"]
     assert h[0]["lr"] == pytest.approx(3e-3 / 5, rel=1e-5)          # warmup from lr / warmup
     assert h[4]["lr"] == pytest.approx(3e-3, rel=1e-5)              # the peak
@@ -242,6 +245,12 @@ def test_eval_of_the_trained_checkpoint(run):
     assert E.main([*common, "--tp", "3", "--bits", "16", "--json", str(run / "eval16.json")]) == 0
     r16 = read_json(run / "eval16.json")
     assert r16["wire_bits_per_element"] == 16.0 and "greedy_agreement" not in r16
+    # What made each run: the command, the code, the devices of the ranks.
+    assert r["command"] == "python -m models.eval " + " ".join(
+        [*common, "--tp", "2", "--bits", "4", "--simulate", "--reference-bits", "16",
+         "--json", str(run / "eval4.json")])
+    assert r["commit"] and r["device"] == device_name(jax.devices()[:1])
+    assert r16["device"] == device_name(jax.devices()[:3])
     assert r16["perplexity"] == pytest.approx(ref, rel=1e-4)
 
 
@@ -395,6 +404,9 @@ def test_generate_from_the_trained_checkpoint(run, capsys):
     assert G.main([*common, "--json", str(run / "gen.json")]) == 0
     r = read_json(run / "gen.json")
     assert len(r["completion_ids"]) == 8 and r["completion"].strip()
+    assert r["command"].startswith(f"python -m models.generate --checkpoint {run / 'ckA'} "
+                                   "--prompt 'The king' --tp 2")
+    assert r["commit"] and r["device"] == device_name(jax.devices()[:1])
     assert r["completion"] in capsys.readouterr().out
     # Greedy is deterministic; sampling is reproducible with a seed.
     assert G.main([*common, "--json", str(run / "gen2.json")]) == 0

@@ -17,6 +17,7 @@ from jax import lax
 
 from echo_jax import compensator as comp
 from echo_jax.collective import echo_psum
+from echo_jax_tools.provenance import device_name
 from models import data as D
 from models import experiments as X
 from models import model as M
@@ -124,6 +125,8 @@ def test_beyond_rows_pareto_and_calibrated_policy(text_file, tmp_path):
     assert cal["calibration"]["method"] == "measure"                # tiny: auto measures
     policy = Path(cal["calibration"]["policy_file"])
     assert policy.name == "policy_beyond_smoke_b4.5.json" and policy.is_file()
+    assert {k: read(policy)[k] for k in ("command", "commit", "device")} == \
+        {k: r[k] for k in ("command", "commit", "device")}
     proxy = by["calib-4.5-h-proxy"]
     assert proxy["calibration"]["method"] == "proxy"
     assert all(c.endswith("-h") for c in proxy["calibration"]["options"])
@@ -151,6 +154,11 @@ def test_ablations_rows_and_aliases(text_file, tmp_path):
     out = tmp_path / "accuracy_ablations_smoke.json"
     r = read(out)
     assert_png(out.with_suffix(".png"))
+    # The record starts with what made it: the P = 2 ranks are simulated on one device.
+    assert list(r)[:3] == ["command", "commit", "device"]
+    assert r["command"] == "python -m models.experiments ablations " + " ".join(argv)
+    assert r["meta"]["mode"].startswith("vmap simulation")
+    assert r["commit"] and r["device"] == device_name(jax.devices()[:1])
     rows = r["rows"]
     assert rows[0]["bits"] == 16 and rows[0]["key"] == "16bit"
     for bits in (4, 8):

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from echo_jax_tools.provenance import device_name
+
 pytest.importorskip("recurrentgemma.jax")
 
 from models.external import recurrentgemma_tp as R  # noqa: E402
@@ -92,6 +94,8 @@ def test_cli_trains_every_mode_a_few_steps(tmp_path, capsys):
             "--quiet"]
     assert R.main(argv) == 0
     record = json.loads((out / "recurrentgemma_tp.json").read_text())
+    assert record["command"] == "python -m models.external.recurrentgemma_tp " + " ".join(argv)
+    assert record["commit"] and record["device"] == device_name(jax.devices()[:8])
     exact, echo = record["runs"]
     assert [r["mode"] for r in record["runs"]] == ["exact", "echo4"]
     assert len(exact["losses"]) == len(echo["losses"]) == 3
