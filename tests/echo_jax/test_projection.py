@@ -299,13 +299,18 @@ def test_results_json_records_its_inputs(tmp_path, capsys, monkeypatch):
         "commit": kern.get("commit"), "device": kern["device"]}
     text = capsys.readouterr().out
     assert f"input allreduce_json: {path} (device NVIDIA H100 80GB HBM3, commit abc1234" in text
-    # The stored virtual-rank JSON: its device as it is, no command or commit in the file.
+    # The stored virtual-rank JSON: its fields as the file has them (command and commit
+    # backfilled from results/README.md, the device as the run wrote it).
+    with open(ALLREDUCE) as f:
+        stored = json.load(f)
     assert bench.main(["project", "--allreduce-json", pj.DEFAULT_ALLREDUCE_JSON,
                        "--kernels-json", "none", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["inputs"] == {"allreduce_json": {
-        "path": pj.DEFAULT_ALLREDUCE_JSON, "command": None, "commit": None,
-        "device": "NVIDIA H200"}}
+        "path": pj.DEFAULT_ALLREDUCE_JSON, "command": stored["command"],
+        "commit": stored["commit"], "device": "NVIDIA H200"}}
+    # A projection computes nothing on a device, and its JSON says so.
+    assert res["device"] == pj.NO_DEVICE and list(res)[:3] == ["command", "commit", "device"]
 
 
 def test_device_hbm_table():
