@@ -7,6 +7,8 @@ Checked without a renderer, by the rules GitHub's Markdown follows:
   (GitHub's slug: lower case, punctuation dropped, spaces to '-', '-1', '-2' for repeats);
 - the README's usage example runs as printed.
 - the README's SmolLM2 perplexities are those of the results JSON it links.
+- results/README.md names every results file, and every results JSON records its command, the
+  commit of its code and its device.
 """
 
 import re
@@ -127,6 +129,24 @@ def test_results_readme_names_every_file():
         return any(f"`{'/'.join(parts[i:])}`" in index for i in range(len(parts)))
     missing = [f for f in files if f != "README.md" and not named(f)]
     assert not missing, f"results/README.md does not name: {missing}"
+
+
+def test_every_results_json_records_its_command_commit_and_device():
+    """Every JSON under results/ is an object with non-empty string "command", "commit" and
+    "device" (echo_jax_tools.provenance writes them; older files carry them backfilled)."""
+    import json
+    bad = {}
+    for path in sorted((REPO / "results").rglob("*.json")):
+        record = json.loads(path.read_text())
+        name = path.relative_to(REPO).as_posix()
+        if not isinstance(record, dict):
+            bad[name] = "not a JSON object"
+            continue
+        missing = [k for k in ("command", "commit", "device")
+                   if not (isinstance(record.get(k), str) and record[k].strip())]
+        if missing:
+            bad[name] = missing
+    assert not bad, f"results JSONs without a non-empty command / commit / device: {bad}"
 
 
 def test_readme_smollm2_perplexities_match_their_results_file():
