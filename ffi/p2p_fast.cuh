@@ -575,9 +575,10 @@ struct FastStages {
   using LP = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, 2>()>;
 
   // push_local's words of the piece at element e: x (+0 past n) and the codes of m1, m2 (0 past
-  // n), loaded together, decoded where they are used. Its own loader, and its own shuffle loop in
-  // update_local_average: sharing load_own's and store_state_pair's gave the same registers and
-  // instruction mix in another schedule, and the call ran 7 % slower (one H100, docs/gpu.md).
+  // n), loaded together, decoded where they are used. Its own loader, and the codes as one word
+  // (CodeWord): through load_own's Pack<int8_t, kVec> the codes took byte permutes and logic ops
+  // (272 more instructions in the kernel, the same 80 registers) and the call ran 7 % slower (one
+  // H100, docs/gpu.md).
   __device__ static void load_local_piece(const KernelArgs& a, int64_t e, uint4& x, CodeWord& c1,
                                           CodeWord& c2) {
     const T* xs = static_cast<const T*>(a.x);
