@@ -315,11 +315,13 @@ def _mesh_rows(mesh, ranks: int):
         return y, new.m1, new.m2
 
     def fused_int8(x, m1, m2, cfg=cfgs["comp-int8state"]):
-        # A rank's block of the int8 state: codes [1, n], scales [1, groups] -> [groups].
-        state = comp.CompensatorState(*(comp.QuantizedMoment(m.codes, m.scales[0])
-                                        for m in (m1, m2)))
-        y, new = ej.echo_psum(x, "tp", config=cfg, state=state, rescale=False)
-        return (y,) + tuple(comp.QuantizedMoment(m.codes, m.scales[None]) for m in new)
+        # A rank's block of the int8 state: codes [1, n], scales [groups] (the global scales
+        # flat, `stored_state(..., flat_scales=True)`): [1, groups] blocks squeezed around the
+        # call that updates them in place made XLA copy both scales before and after every call
+        # of the timed loop.
+        y, new = ej.echo_psum(x, "tp", config=cfg, state=comp.CompensatorState(m1, m2),
+                              rescale=False)
+        return (y,) + tuple(new)
 
     rows = {"psum": (wrap(lambda x: lax.psum(x[0], "tp")[None], 1, 1), None)}
     for name in ("xla8", "xla4", "p2p8", "p2p4", "p2p4-rot"):
@@ -391,12 +393,14 @@ def _virtual_rows(ranks: int):
     return rows
 
 
-@functools.partial(jax.jit, static_argnames="state_dtype")
-def stored_state(m, state_dtype: str):
+@functools.partial(jax.jit, static_argnames=("state_dtype", "flat_scales"))
+def stored_state(m, state_dtype: str, flat_scales: bool = False):
     """A state average m [P, n] (fp32) in a row's state format: the dtype, or the int8 state's
-    codes [P, n] and scales [P, groups] (`compensator.quantize_state` per rank)."""
+    codes [P, n] and scales [P, groups] (`compensator.quantize_state` per rank; with flat_scales
+    [P * groups], a rank's block its [groups], as the mesh rows take them)."""
     if state_dtype == "int8":
-        return comp.QuantizedMoment(*jax.vmap(comp.quantize_state)(m))
+        codes, scales = jax.vmap(comp.quantize_state)(m)
+        return comp.QuantizedMoment(codes, scales.reshape(-1) if flat_scales else scales)
     return m.astype(state_dtype)
 
 
@@ -487,7 +491,8 @@ def bench_allreduce(args) -> dict:
         check = jax.jit(_compare)
         example = jax.ShapeDtypeStruct((ranks, 1024), dtype, sharding=sharding)
         def example_c(state_dtype):
-            m = jax.eval_shape(functools.partial(stored_state, state_dtype=state_dtype),
+            m = jax.eval_shape(functools.partial(stored_state, state_dtype=state_dtype,
+                                                 flat_scales=not args.virtual),
                                jax.ShapeDtypeStruct((ranks, 1024), jnp.float32))
             m = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                             sharding=sharding), m)
@@ -542,8 +547,8 @@ def bench_allreduce(args) -> dict:
                 compensated = state_dtype is not None
                 # A bf16 / int8-state row starts from the same state, stored in its format
                 # (outside the timing).
-                st = ([stored_state(a, state_dtype) for a in (m1, m2, zeros)] if compensated
-                      else None)
+                st = ([stored_state(a, state_dtype, flat_scales=not args.virtual)
+                       for a in (m1, m2, zeros)] if compensated else None)
                 inp = (x, st[0], st[1]) if compensated else x
                 stats = time_op_stats(fn, inp, args.iters, args.repeats, args.warmup,
                                       carry_state=compensated)

@@ -117,6 +117,38 @@ def test_allreduce_all_rows_json_and_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.skipif("cpu" not in cpu.available_platforms(), reason="the CPU custom call")
+@pytest.mark.parametrize("row", ["p2p4-comp-fused", "p2p4-comp-fused-bf16state",
+                                 "p2p4-comp-fused-int8state-local"])
+def test_the_timed_loop_updates_the_state_in_place(row):
+    """The Table 2 program of a compensated mesh row (the call, then the next matmul, in the
+    timed loop with the state carried) runs the fused call once in the loop body and copies no
+    buffer there: XLA copies the carried state once, at entry. (With an int8 state's scales
+    squeezed from [1, groups] blocks around the call, XLA copied both before and after every
+    call, and the row timed those copies too.)"""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    with jax.set_mesh(mesh):
+        fn, state_dtype = bench._mesh_rows(mesh, 4)[row]
+        sharding = NamedSharding(mesh, PartitionSpec("tp"))
+        x = jax.device_put(jnp.ones((4, 4096), jnp.bfloat16), sharding)
+        m = bench.stored_state(jax.device_put(jnp.zeros((4, 4096), jnp.float32), sharding),
+                               state_dtype, flat_scales=True)
+        step = bench.with_next_matmul(fn, True, jnp.eye(1024, dtype=jnp.bfloat16))
+        text = bench.timing_loop(step, carry_state=True).lower((x, m, m), 3).compile().as_text()
+    computations = {c.split(" ", 1)[0]: c for c in re.split(r"\n(?=\S)", text)}
+    target = cpu.TARGET_COMPENSATED_Q8 if state_dtype == "int8" else cpu.TARGET_COMPENSATED
+    bodies = [c for name, c in computations.items()
+              if name != "ENTRY" and f'custom_call_target="{target}"' in c]
+    assert len(bodies) == 1, "the fused call is not in exactly one loop body"
+    called = [computations.get(n, "") for n in re.findall(r"calls=(%[\w.\-]+)", bodies[0])]
+    copies = [ln.strip() for c in [bodies[0], *called] for ln in c.splitlines()
+              if re.search(r"\bcopy(-start)?\(", ln)]
+    assert not copies, f"the timed loop copies buffers every call: {copies}"
+
+
 def test_allreduce_next_matmul_columns(tmp_path, capsys):
     """--next-matmul D: every row is also timed followed by the next layer's multiplication,
     and what it adds to the multiplication alone is reported (the Echo paper's Table 2 method)."""
