@@ -524,10 +524,11 @@ def run(args) -> dict:
     policy, choice, steps = policy_from_stats(stats, options, args.budget_bits,
                                               name=str(args.out))
     record = stats_record(stats, options, cfg, choice, steps)
+    made_by = run_provenance(getattr(args, "command", None), mesh)
+    # One device description: the settings' (the policy file's calibration record) is the run's.
     settings = {"checkpoint": info, "tp": args.tp, "mode": mode, "text": source,
                 "windows": int(len(windows)), "window": args.window,
-                "rotation": args.rotation, "device": str(jax.devices()[0].device_kind)}
-    made_by = run_provenance(getattr(args, "command", None), mesh)
+                "rotation": args.rotation, "device": made_by["device"]}
     record = {**made_by, "format": "echo_jax.calibration/1", "model": cfg.name, **settings,
               "budget_bits": args.budget_bits,
               "wire_bits_per_element": policy.wire_bits_per_element(), **record,
