@@ -354,35 +354,21 @@ struct FastStages {
   // compensated instances: it took the bf16 state's from 64 to 78-96 registers and the fp32-x
   // int8 ones from 48 to 60, and those ran slower (docs/gpu.md has the times).
   static constexpr bool kKeepOwn = COMP && UPDATE && !ROT && kStateQ8 && sizeof(T) == 2;
+  // The codes as one word each (CodeWord), loaded as push_local loads them: held as
+  // Pack<int8_t, kVec> they took byte permutes and logic ops, as in push_local (about 40 more
+  // instructions a kernel, the same registers; ptxas / cuobjdump, sm_90a).
   struct OwnWords {
-    uint4 x;                // kVec values of T
-    Pack<S, kVec> m1, m2;   // kVec values of the state as stored (int8: codes)
-    float s1, s2;           // the int8 state's scales
+    uint4 x;            // kVec values of T
+    CodeWord m1, m2;    // kVec int8 codes of m1, m2 as stored
+    float s1, s2;       // their groups' scales
   };
   // The words of the piece at element e; past n, zeros (x, m1, m2 then read as +0, as
-  // load_raw / load_state give them; an int8 group of padding alone has scale 0).
+  // load_raw / load_state give them; a group of padding alone has scale 0).
   __device__ static void load_own(const KernelArgs& a, int64_t e, OwnWords& o) {
-    const T* x = static_cast<const T*>(a.x);
-    const S* m1 = static_cast<const S*>(a.m1);
-    const S* m2 = static_cast<const S*>(a.m2);
-    if (e + kVec <= a.n) {
-      o.x = *reinterpret_cast<const uint4*>(x + e);
-      o.m1 = *reinterpret_cast<const Pack<S, kVec>*>(m1 + e);
-      o.m2 = *reinterpret_cast<const Pack<S, kVec>*>(m2 + e);
-    } else {  // the row's last piece
-      Pack<T, kVec> xs;
-#pragma unroll
-      for (int t = 0; t < kVec; ++t) {
-        xs.v[t] = e + t < a.n ? x[e + t] : from_f32<T>(0.0f);
-        o.m1.v[t] = e + t < a.n ? m1[e + t] : state_zero();
-        o.m2.v[t] = e + t < a.n ? m2[e + t] : state_zero();
-      }
-      o.x = *reinterpret_cast<const uint4*>(&xs);
-    }
-    if constexpr (kStateQ8) {  // not __ldg: rewritten in this kernel (load_state_q8)
-      o.s1 = e < a.n ? a.s1[e / kStateGroup] : 0.0f;
-      o.s2 = e < a.n ? a.s2[e / kStateGroup] : 0.0f;
-    }
+    load_local_piece(a, e, o.x, o.m1, o.m2);
+    // not __ldg: rewritten in this kernel (load_state_q8)
+    o.s1 = e < a.n ? a.s1[e / kStateGroup] : 0.0f;
+    o.s2 = e < a.n ? a.s2[e / kStateGroup] : 0.0f;
   }
   // With kKeepOwn, the reduce stage reads its peers one ahead: the next peer's parameters and
   // code word are loaded before this one's are decoded, so the P - 1 peers' loads overlap
@@ -395,24 +381,11 @@ struct FastStages {
                            a.policy);
     word = fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, 0));
   }
-  __device__ __forceinline__ static S state_zero() {
-    if constexpr (kStateQ8) return 0;
-    else return from_f32<S>(0.0f);
-  }
-  __device__ __forceinline__ static void unpack_state(const Pack<S, kVec>& w, float s,
-                                                      float* v) {
-    if constexpr (kStateQ8) {
-      codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(w), s, v);
-    } else {
-#pragma unroll
-      for (int t = 0; t < kVec; ++t) v[t] = to_f32<S>(w.v[t]);
-    }
-  }
   __device__ __forceinline__ static void unpack_own(const OwnWords& o, float* x, float* m1,
                                                     float* m2) {
     fast::unpack_values<T, kVec>(o.x, x);
-    unpack_state(o.m1, o.s1, m1);
-    unpack_state(o.m2, o.s2, m2);
+    codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(o.m1), o.s1, m1);
+    codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(o.m2), o.s2, m2);
   }
 
   // What the state update of a piece reads (COMP): x as fp32 and m1, m2. The unrotated stages
@@ -574,11 +547,11 @@ struct FastStages {
   // of LP is piece k * LP::kLanes + j of the group, its values in index order either way.
   using LP = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, 2>()>;
 
-  // push_local's words of the piece at element e: x (+0 past n) and the codes of m1, m2 (0 past
-  // n), loaded together, decoded where they are used. Its own loader, and the codes as one word
-  // (CodeWord): through load_own's Pack<int8_t, kVec> the codes took byte permutes and logic ops
-  // (272 more instructions in the kernel, the same 80 registers) and the call ran 7 % slower (one
-  // H100, docs/gpu.md).
+  // The int8 state's words of the piece at element e (push_local, and the reduce's own piece:
+  // load_own): x (+0 past n) and the codes of m1, m2 (0 past n), loaded together, decoded where
+  // they are used. The codes as one word (CodeWord): held as Pack<int8_t, kVec> they took byte
+  // permutes and logic ops (272 more instructions in push_local, the same 80 registers) and the
+  // call ran 7 % slower (one H100, docs/gpu.md).
   __device__ static void load_local_piece(const KernelArgs& a, int64_t e, uint4& x, CodeWord& c1,
                                           CodeWord& c2) {
     const T* xs = static_cast<const T*>(a.x);
