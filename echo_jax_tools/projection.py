@@ -444,6 +444,8 @@ class Efficiency:
       measured: {(row, size_bytes): (seconds, ranks, dtype)} from the allreduce --virtual JSON.
       added: {(row, size_bytes, dtype): (added_to_next_matmul_s, ranks)} of the rows that have it
         (`bench allreduce --next-matmul`).
+      floor: {(row, size_bytes, dtype): floor_s}, each measured row's byte floor (`bench
+        allreduce`'s floor_s: its bytes at the run's streaming bandwidth).
       measured_hbm_gbps: datasheet HBM of the device the allreduce JSON was measured on.
       sources: the files used, for the output.
       inputs: per input file ("kernels_json", "allreduce_json") its `input_record`.
@@ -453,6 +455,7 @@ class Efficiency:
     kernel_eff: dict = dataclasses.field(default_factory=dict)
     measured: dict = dataclasses.field(default_factory=dict)
     added: dict = dataclasses.field(default_factory=dict)
+    floor: dict = dataclasses.field(default_factory=dict)
     measured_hbm_gbps: float | None = None
     sources: dict = dataclasses.field(default_factory=dict)
     inputs: dict = dataclasses.field(default_factory=dict)
@@ -505,6 +508,8 @@ def load_efficiency(kernels_json: str | None = DEFAULT_KERNELS_JSON,
             if r.get("added_to_next_matmul_s") is not None:
                 eff.added[(r["row"], r["size_bytes"], dtype)] = (r["added_to_next_matmul_s"],
                                                                  r["ranks"])
+            if r.get("floor_s") is not None:
+                eff.floor[(r["row"], r["size_bytes"], dtype)] = r["floor_s"]
         eff.sources["allreduce_json"] = str(allreduce_json)
         if eff.measured_hbm_gbps is None:
             eff.sources["allreduce_json_hbm"] = (
@@ -565,8 +570,9 @@ def measured_comp_extra(eff: Efficiency, row: str, size_bytes: int, dtype: str,
 
     Returns:
       dict(measured_row, measured_size_bytes, measured_ranks, added_s, p2p4_added_s,
-      extra_measured_s (D_m), extra_s (D)); or dict(not_projected=reason) when the added time
-      was not measured.
+      extra_measured_s (D_m), extra_s (D), extra_floor_measured_s: the byte floor of D_m, the
+      measured row's floor_s minus p2p4's, None where the JSON has no floor); or
+      dict(not_projected=reason) when the added time was not measured.
     """
     table = MEASURED_LOCAL_COMP_ROWS if residual == "local" else MEASURED_COMP_ROWS
     measured_row = table.get((row, float(state_bytes)))
@@ -584,9 +590,27 @@ def measured_comp_extra(eff: Efficiency, row: str, size_bytes: int, dtype: str,
     base = eff.added[("p2p4", s_m, dtype)][0]
     d_m = added - base
     scale = (eff.measured_hbm_gbps or target_hbm_gbps) / target_hbm_gbps
+    floors = [eff.floor.get((r, s_m, dtype)) for r in (measured_row, "p2p4")]
     return {"measured_row": measured_row, "measured_size_bytes": s_m, "measured_ranks": P_v,
             "added_s": added, "p2p4_added_s": base, "extra_measured_s": d_m,
-            "extra_s": max(d_m, 0.0) / P_v * size_bytes / s_m * scale}
+            "extra_s": max(d_m, 0.0) / P_v * size_bytes / s_m * scale,
+            "extra_floor_measured_s": None if None in floors else floors[0] - floors[1]}
+
+
+def measured_extra_for(extra_s: float, r: dict, target_hbm_gbps: float, eff: Efficiency) -> float:
+    """The inverse of `measured_comp_extra`'s scaling: the D_m, measured as the row `r` was
+    (its measured_size_bytes and measured_ranks, on the allreduce JSON's device), that projects
+    to the extra `extra_s` on a machine with `target_hbm_gbps`.
+
+    Args:
+      extra_s: D on the target (negative: no D_m reaches it); r: a projected compensated row
+        (`project_one`); target_hbm_gbps: datasheet HBM of the projected machine; eff: as loaded.
+
+    Returns:
+      D_m = D * P_v * S_m / S * hbm_target / hbm_measured, in seconds.
+    """
+    scale = (eff.measured_hbm_gbps or target_hbm_gbps) / target_hbm_gbps
+    return extra_s * r["measured_ranks"] * r["measured_size_bytes"] / r["size_bytes"] / scale
 
 
 # --------------------------------------------------------------------------------------------
@@ -665,18 +689,23 @@ def project_one(link: Link, row: str, size_bytes: int, ranks: int, dtype: str,
 
 
 def project(links, sizes, ranks, dtypes, eff: Efficiency, *, group_size: int = 128,
-            policy: str = "asym", state_bytes: float = 4.0, residual: str = "output") -> dict:
+            policy: str = "asym", state_bytes: float = 4.0, residual: str = "output",
+            target_speedup: float = 2.0) -> dict:
     """The projection over machines x ranks x dtypes x sizes x ROWS.
 
     Args:
       links: Link objects; sizes: bytes per rank; ranks: P values; dtypes: dtype names;
-      eff: HBM efficiencies; group_size, policy, state_bytes, residual: as in project_one.
+      eff: HBM efficiencies; group_size, policy, state_bytes, residual: as in project_one;
+      target_speedup: a compensated row's goal against psum, for extra_measured_at_target_s.
 
     Returns:
       dict(benchmark="project", presets, rows, anchors, sources, inputs, not_projected, ...):
       each row of project_one plus speedup_vs_psum (overlapped) and serial_speedup_vs_psum,
       against psum of the same machine, P, dtype and size (None for a row not projected);
-      not_projected lists once per row and dtype why a row was not projected.
+      a projected compensated row also extra_measured_at_target_s, the largest added time over
+      p2p4, measured as its own was, at which it reaches target_speedup (`measured_extra_for`;
+      negative: p2p4 alone does not); not_projected lists once per row and dtype why a row was
+      not projected.
     """
     rows, skipped = [], {}
     for link in links:
@@ -696,13 +725,17 @@ def project(links, sizes, ranks, dtypes, eff: Efficiency, *, group_size: int = 1
                         else:
                             r["speedup_vs_psum"] = psum / r["overlapped_s"]
                             r["serial_speedup_vs_psum"] = psum / r["serial_s"]
+                            if row.startswith("comp-"):
+                                r["extra_measured_at_target_s"] = measured_extra_for(
+                                    psum / target_speedup - r["p2p4_overlapped_s"], r,
+                                    link.hbm_gbps, eff)
                         rows.append(r)
     return {
         "benchmark": "project",
         "note": "a projection from a link model and single-GPU measurements, not a measurement",
         "presets": [dataclasses.asdict(link) for link in links],
         "group_size": group_size, "policy": policy, "state_bytes": state_bytes,
-        "residual": residual,
+        "residual": residual, "target_speedup": target_speedup,
         "copy_eff": eff.copy_eff,
         "kernel_eff": {f"{op} {b}-bit {d}": v for (op, b, d), v in eff.kernel_eff.items()},
         "sources": eff.sources,
@@ -723,6 +756,29 @@ def _cell(r: dict) -> str:
     if r["overlapped_s"] is None:
         return "not projected"
     return f"{r['overlapped_s'] * 1e3:.3f} ({r['speedup_vs_psum']:.2f}x)"
+
+
+def _target_lines(result: dict) -> list:
+    """Per compensated row, P and dtype, at 1 GiB a rank (else the largest size): what it adds
+    over p2p4 where measured, that time's byte floor, and the most it may add for the target on
+    each machine."""
+    lines, groups = [], {}
+    for r in result["rows"]:
+        if r["row"].startswith("comp-") and r.get("extra_measured_at_target_s") is not None:
+            groups.setdefault((r["row"], r["ranks"], r["dtype"]), []).append(r)
+    for (row, P, dtype), rr in groups.items():
+        size = 1 << 30 if any(r["size_bytes"] == 1 << 30 for r in rr) else \
+            max(r["size_bytes"] for r in rr)
+        rr = [r for r in rr if r["size_bytes"] == size]
+        r0 = rr[0]
+        floor = r0.get("extra_floor_measured_s")
+        floor = "" if floor is None else f" (its byte floor {floor * 1e3:.3f} ms)"
+        need = ", ".join(f"{r['preset']} {r['extra_measured_at_target_s'] * 1e3:.3f} ms"
+                         for r in rr)
+        lines.append(f"{row}, P={P}, {format_size(size)} {dtype}: {r0['measured_row']} adds "
+                     f"{r0['extra_measured_s'] * 1e3:.3f} ms over p2p4 where measured{floor}; "
+                     f"{result['target_speedup']:.2f}x psum needs at most: {need}")
+    return lines
 
 
 def format_table(result: dict) -> str:
@@ -766,6 +822,7 @@ def format_table(result: dict) -> str:
                      f"{x('comp-separate')}")
     lines.append("compensated rows: p2p4 plus the measured added time over p2p4 "
                  "(bench allreduce --next-matmul), on the critical path in full")
+    lines += _target_lines(result)
     for item in result.get("not_projected", []):
         lines.append(f"not projected: {item['row']} ({item['dtype']}): {item['reason']}")
     src = sorted({r["hbm_source"] for r in result["rows"]
@@ -882,6 +939,10 @@ def add_arguments(p) -> None:
                    help="the compensator's residual (EchoConfig.residual): output (default) or "
                         "local, whose measured row is p2p4-comp-fused-int8state-local "
                         "(with --state-bytes 1)")
+    p.add_argument("--target-speedup", type=wrap(positive), default=2.0,
+                   help="a compensated row's goal against psum: the output says the most the "
+                        "row may add over p2p4, measured as it was, to reach it on each machine "
+                        "(default: %(default)s)")
     p.add_argument("--group-size", type=int, default=128, help="g (default: %(default)s)")
     p.add_argument("--policy", choices=policies.NAMES, default="asym",
                    help="quantizer policy, sets the per-group parameter bytes (default: asym)")
@@ -924,7 +985,8 @@ def run(args) -> dict:
     result = {**provenance(getattr(args, "argv", None)),
               **project(links_from_args(args), args.sizes, args.ranks, args.dtypes, eff,
                         group_size=args.group_size, policy=args.policy,
-                        state_bytes=args.state_bytes, residual=args.residual)}
+                        state_bytes=args.state_bytes, residual=args.residual,
+                        target_speedup=args.target_speedup)}
     print(format_table(result))
     if args.json:
         write_json(args.json, result)

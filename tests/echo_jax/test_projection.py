@@ -205,6 +205,35 @@ def test_compensated_row_is_p2p4_plus_the_measured_added_time(tmp_path):
     assert f8["extra_s"] == pytest.approx(extra, rel=1e-9)
 
 
+def test_a_compensated_row_says_what_it_may_add_for_the_target(tmp_path):
+    # The target 1.5x psum on HAND_LINK at 1 GiB, P = 4: the compensated row's projected time
+    # may be psum / 1.5, so p2p4's projected time plus D, and D maps back to the measurement
+    # (256 MB a rank, 4 virtual ranks, an H100's HBM) as D_m = D * 4 * (256 MB / 1 GiB) * 2000 /
+    # 3350. A measurement that adds exactly that over p2p4 projects to 1.5x.
+    rows = [_hand_row("psum", 256 * MiB, 1.0e-3, 1.2e-3),
+            dict(_hand_row("p2p4", 256 * MiB, 1.6e-3, 1.5e-3), floor_s=1.0e-3),
+            dict(_hand_row("p2p4-comp-fused", 256 * MiB, 5.0e-3, 5.5e-3), floor_s=2.5e-3)]
+    eff = pj.load_efficiency(None, str(_hand_json(tmp_path, rows)))
+    res = pj.project([HAND_LINK], [GiB], [4], ["bfloat16"], eff, target_speedup=1.5)
+    assert res["target_speedup"] == 1.5
+    by = {r["row"]: r for r in res["rows"]}
+    fused, psum = by["comp-fused"], 1.5 * GiB / 180e9
+    allowed = (psum / 1.5 - by["p2p4"]["overlapped_s"]) * 4 * (256 * MiB / GiB) * 2000 / 3350
+    assert fused["extra_measured_at_target_s"] == pytest.approx(allowed, rel=1e-9)
+    assert fused["extra_floor_measured_s"] == pytest.approx(1.5e-3, rel=1e-9)
+    assert 0 < allowed < fused["extra_measured_s"]  # 4 ms added: short of 1.5x
+    rows[2] = _hand_row("p2p4-comp-fused", 256 * MiB, 5.0e-3, 1.5e-3 + allowed)
+    again = pj.project([HAND_LINK], [GiB], [4], ["bfloat16"], pj.load_efficiency(
+        None, str(_hand_json(tmp_path, rows))), target_speedup=1.5)
+    refit = next(r for r in again["rows"] if r["row"] == "comp-fused")
+    assert refit["speedup_vs_psum"] == pytest.approx(1.5, rel=1e-9)
+    assert refit["extra_floor_measured_s"] is None  # no floor_s in that JSON
+    # A target p2p4 alone misses: no added time reaches it.
+    far = pj.project([HAND_LINK], [GiB], [4], ["bfloat16"], eff, target_speedup=50.0)
+    assert next(r for r in far["rows"]
+                if r["row"] == "comp-fused")["extra_measured_at_target_s"] < 0
+
+
 def test_the_h100_preset_takes_the_measured_added_time_unscaled(tmp_path):
     # The preset of the GPU the added times are measured on (an H100 SXM: NVLink4, 450 GB/s a
     # direction, 3.35 TB/s HBM3): the HBM ratio is 1, so the extra over p2p4 is the measured
