@@ -589,7 +589,7 @@ def measured_comp_extra(eff: Efficiency, row: str, size_bytes: int, dtype: str,
     added, P_v = eff.added[(measured_row, s_m, dtype)]
     base = eff.added[("p2p4", s_m, dtype)][0]
     d_m = added - base
-    scale = (eff.measured_hbm_gbps or target_hbm_gbps) / target_hbm_gbps
+    scale = _hbm_ratio(eff, target_hbm_gbps)
     floors = [eff.floor.get((r, s_m, dtype)) for r in (measured_row, "p2p4")]
     return {"measured_row": measured_row, "measured_size_bytes": s_m, "measured_ranks": P_v,
             "added_s": added, "p2p4_added_s": base, "extra_measured_s": d_m,
@@ -609,8 +609,14 @@ def measured_extra_for(extra_s: float, r: dict, target_hbm_gbps: float, eff: Eff
     Returns:
       D_m = D * P_v * S_m / S * hbm_target / hbm_measured, in seconds.
     """
-    scale = (eff.measured_hbm_gbps or target_hbm_gbps) / target_hbm_gbps
-    return extra_s * r["measured_ranks"] * r["measured_size_bytes"] / r["size_bytes"] / scale
+    return (extra_s * r["measured_ranks"] * r["measured_size_bytes"] / r["size_bytes"] /
+            _hbm_ratio(eff, target_hbm_gbps))
+
+
+def _hbm_ratio(eff: Efficiency, target_hbm_gbps: float) -> float:
+    """HBM(measured device) / HBM(target): how a measured extra scales to the target (1 where
+    the measured device is unknown)."""
+    return (eff.measured_hbm_gbps or target_hbm_gbps) / target_hbm_gbps
 
 
 # --------------------------------------------------------------------------------------------

@@ -355,8 +355,8 @@ struct FastStages {
   // int8 ones from 48 to 60, and those ran slower (docs/gpu.md has the times).
   static constexpr bool kKeepOwn = COMP && UPDATE && !ROT && kStateQ8 && sizeof(T) == 2;
   // The codes as one word each (CodeWord), loaded as push_local loads them: held as
-  // Pack<int8_t, kVec> they took byte permutes and logic ops, as in push_local (about 40 more
-  // instructions a kernel, the same registers; ptxas / cuobjdump, sm_90a).
+  // Pack<int8_t, kVec> they took byte permutes and logic ops (61-67 more instructions in each
+  // kernel with kKeepOwn, the same registers and time; cuobjdump, sm_90a; docs/gpu.md).
   struct OwnWords {
     uint4 x;            // kVec values of T
     CodeWord m1, m2;    // kVec int8 codes of m1, m2 as stored
