@@ -21,6 +21,9 @@ ROTATIONS = ("none", "hadamard")
 STATE_DTYPES = ("float32", "bfloat16", "int8")
 STATE_UPDATES = ("in_call", "separate")
 RESIDUALS = ("output", "local")
+#: The smallest nonzero compensator coefficient (eta * blend, eta * (1 - blend), beta1, beta2 in
+#: fp32) the int8 state takes: its kernels fold the coefficients into the state's scales.
+INT8_STATE_MIN_COEFFICIENT = 2.0 ** -20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +65,10 @@ class EchoConfig:
         xla transport's apply and update steps in JAX. "int8": m1, m2 as 8-bit codes with one
         fp32 scale per 128 values (`echo_jax.compensator.STATE_GROUP`; a quarter of the fp32
         state's bytes): fused into the custom calls (CPU and CUDA) with group_size=128, else
-        run in JAX around the uncompensated call (the call plan says why).
+        run in JAX around the uncompensated call (the call plan says why). Its coefficients
+        (eta * blend, eta * (1 - blend), beta1, beta2, each in fp32) must each be 0 or at least
+        2^-20 (INT8_STATE_MIN_COEFFICIENT): the CUDA stages multiply them into the state's
+        power-of-two scales, exactly in that range.
       state_update: where a compensated call's update step (Eq. 4 and 11) runs. "in_call"
         (default): inside the all-reduce, where y is produced (the fused custom calls' exit
         pass: the fewest bytes, but on the critical path). "separate": the call runs the apply
@@ -148,6 +154,20 @@ class EchoConfig:
         if not isinstance(self.residual, str) or self.residual not in RESIDUALS:
             raise ValueError(f"EchoConfig.residual must be one of {RESIDUALS}, got "
                              f"{self.residual!r}")
+        if self.state_dtype == "int8":
+            # The int8 state's CUDA stages multiply each coefficient into a group's scale (a
+            # power of two >= 2^-106): exact, and so the same bits, for 0 and [2^-20, 1].
+            e, a = self.eta, self.blend
+            coeffs = {"eta * blend": e * a, "eta * (1 - blend)": e * (1.0 - a),
+                      "beta1": self.beta1, "beta2": self.beta2}
+            for name, c in coeffs.items():
+                c = float(np.float32(c))
+                if 0.0 < c < INT8_STATE_MIN_COEFFICIENT:
+                    raise ValueError(
+                        f"EchoConfig(state_dtype='int8') needs {name} to be 0 or at least 2^-20, "
+                        f"got {c!r}: the int8 state's kernels multiply it into the state's "
+                        "scales, which is exact from 2^-20 on; use 0, a larger value or "
+                        "state_dtype='bfloat16'")
         if self.residual == "local" and self.rotation != "none":
             raise ValueError("EchoConfig.residual='local' takes the rounding errors where the "
                              f"call quantizes, which needs rotation='none' (got rotation="

@@ -34,6 +34,14 @@ void (*generic_kernel(const CallAttrs& at))(KernelArgs) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Whether the int8 state's stages may fold the coefficients into the state's scales
+// (FastStages::folded_scale): each of eta a, eta (1 - a), beta1, beta2 0 or in [2^-20, 1].
+bool state_coefficients_fold(const CompCoeffs& k) {
+  for (const float c : {k.ea, k.eb, k.b1, k.b2})
+    if (!(c == 0.0f || (c >= 0x1p-20f && c <= 1.0f))) return false;
+  return true;
+}
+
 // `fast_ok`: the caller allows the fast stages. The ranks of a virtual group must all run the
 // same kernel: a kernel's first launch in a process loads it (lazy module loading), and loading
 // waits for the kernels already running on the device, so a rank whose kernel is loaded while
@@ -57,6 +65,15 @@ ffi::Error run_rank(Group& grp, int rank, cudaStream_t stream, const CallAttrs& 
         "16-byte aligned x, y, m1, m2 and ECHO_JAX_GENERIC_QUANT unset; got group_size " +
         std::to_string(at.g) + (at.state_q8 ? "" : " and a float state") +
         " (use residual='output' otherwise)");
+  }
+  if (ECHO_P2P_FOLD_STATE_SCALE && at.state_q8 && !state_coefficients_fold(at.k)) {
+    // EchoConfig refuses such coefficients with the int8 state first (state_dtype's docs).
+    return ffi::Error::InvalidArgument(
+        "echo_jax p2p (CUDA): the int8 state needs each of eta * blend, eta * (1 - blend), "
+        "beta1 and beta2 to be 0 or at least 2^-20 (they multiply the state's scales exactly); "
+        "got " + std::to_string(at.k.ea) + ", " + std::to_string(at.k.eb) + ", " +
+        std::to_string(at.k.b1) + ", " + std::to_string(at.k.b2) +
+        " (use state_dtype='bfloat16' otherwise)");
   }
   if (kernel == nullptr && at.state_q8) {  // the generic stages take no int8 state
     return ffi::Error::InvalidArgument(

@@ -340,9 +340,48 @@ struct FastStages {
 #pragma unroll
       for (int t = 0; t < kVec; ++t) v[t] = comp_apply(v[t], m1[t], m2[t], a.k);
     }
-    const float f = scale_of(a);  // the rescaling, after the apply step (Sec. 5.4)
+    rescale(a, v);
+  }
+  // The same from the products p1 = (eta a) m1 and p2 = (eta (1 - a)) m2, as comp_apply
+  // rounds them (folded_scale).
+  __device__ __forceinline__ static void apply_products_and_scale(const KernelArgs& a, float* v,
+                                                                  const float* p1,
+                                                                  const float* p2) {
 #pragma unroll
-    for (int t = 0; t < kVec; ++t) v[t] = mul_rn(v[t], f);
+    for (int t = 0; t < kVec; ++t) v[t] = add_rn(v[t], add_rn(p1[t], p2[t]));
+    rescale(a, v);
+  }
+  // The rescaling (Sec. 5.4), after the apply step: v * f; in the local residual's stages
+  // nothing when f is 1 (x * 1 = x; skip_unit_factor).
+  __device__ __forceinline__ static void rescale(const KernelArgs& a, float* v) {
+    const float f = scale_of(a);
+    if (!skip_unit_factor(f)) {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) v[t] = mul_rn(v[t], f);
+    }
+  }
+
+  // The int8 state's values times a coefficient of Eq. 10 / 11, folded into the group's scale
+  // (ECHO_P2P_FOLD_STATE_SCALE): a value is q s with q an integer code and s a power of two
+  // (2^-106 <= s <= 2^121, or 0, or not finite), so for a coefficient c that is 0 or in
+  // [2^-20, 1] the product c s is exact (a normal float, or 0, or not finite as s is), and
+  // round((c s) q) = round(c (q s)), comp_apply's and comp_update_residual's product, bit for
+  // bit (+-0, NaN and inf included). The call's coefficients are checked on the host
+  // (state_coefficients_fold). Why: one multiply a value instead of two (the decode's and the
+  // coefficient's) in the instruction-bound local stages.
+  // Not with fp16 x: there the fold took ptxas to 8-40 bytes of spills a thread (80 registers,
+  // sm_90a), 24-48 with skip_unit_factor, against none without either.
+  static constexpr bool kFoldState =
+      ECHO_P2P_FOLD_STATE_SCALE && LOCAL && !std::is_same_v<T, __half>;
+  __device__ __forceinline__ static float folded_scale(float c, float s) {
+    return kFoldState ? mul_rn(c, s) : s;
+  }
+  // Whether the multiplies by the rescaling's factor f (or its inverse) may be skipped: f is 1
+  // in the local residual's stages (ECHO_P2P_SKIP_UNIT_FACTOR; as kFoldState, not with fp16 x).
+  // Only there: the same uniform branch in the uncompensated 16-bit push made p2p4 23 % slower
+  // (one H100, docs/gpu.md).
+  __device__ __forceinline__ static bool skip_unit_factor(float f) {
+    return ECHO_P2P_SKIP_UNIT_FACTOR && LOCAL && !std::is_same_v<T, __half> && f == 1.0f;
   }
 
   // The reduce stage's own piece in the int8 state's unrotated 16-bit instances: x, m1, m2 and
@@ -381,11 +420,13 @@ struct FastStages {
                            a.policy);
     word = fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, 0));
   }
+  // x, and the codes of m1, m2 times f1, f2: the scales as stored (the values) or folded with
+  // a coefficient (folded_scale: the products).
   __device__ __forceinline__ static void unpack_own(const OwnWords& o, float* x, float* m1,
-                                                    float* m2) {
+                                                    float* m2, float f1, float f2) {
     fast::unpack_values<T, kVec>(o.x, x);
-    codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(o.m1), o.s1, m1);
-    codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(o.m2), o.s2, m2);
+    codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(o.m1), f1, m1);
+    codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(o.m2), f2, m2);
   }
 
   // What the state update of a piece reads (COMP): x as fp32 and m1, m2. The unrotated stages
@@ -526,15 +567,31 @@ struct FastStages {
   // kVec values v as quantized (scaled) and the values their codes decode to, then Eq. 11 from
   // the state as read at entry, stored as int8 codes (store_state_pair: every lane of the group
   // together).
+  // kFoldOwn: m1 and m2 hold the products beta1 m1, beta2 m2 (the own piece's codes times
+  // folded_scale), else the values. Only with the local residual: the output residual's update
+  // needs both products of each value (comp_apply's and comp_update's), and folding its apply
+  // step alone gave its 8-bit instance 8 bytes of spills (ptxas, sm_90a).
+  static constexpr bool kFoldOwn = kKeepOwn && kFoldState;
   __device__ __forceinline__ static void update_local(const KernelArgs& a, int64_t e,
                                                       const float* v, const float* decoded,
                                                       const float* m1, const float* m2) {
     const float inv = unscale_of(a);
-    float n1[kVec], n2[kVec];
+    float u[kVec], n1[kVec], n2[kVec];
 #pragma unroll
-    for (int t = 0; t < kVec; ++t)
-      comp_update_residual(mul_rn(sub_rn(v[t], decoded[t]), inv), m1[t], m2[t], a.k, &n1[t],
-                           &n2[t]);
+    for (int t = 0; t < kVec; ++t) u[t] = sub_rn(v[t], decoded[t]);
+    if (!skip_unit_factor(inv)) {
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) u[t] = mul_rn(u[t], inv);
+    }
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) {
+      if constexpr (kFoldOwn) {  // comp_update_residual's sums
+        n1[t] = add_rn(m1[t], mul_rn(a.k.c1, u[t]));
+        n2[t] = add_rn(m2[t], mul_rn(a.k.c2, u[t]));
+      } else {
+        comp_update_residual(u[t], m1[t], m2[t], a.k, &n1[t], &n2[t]);
+      }
+    }
     store_state_pair(a, e, n1, n2);
   }
 
@@ -598,16 +655,21 @@ struct FastStages {
                                               const CodeWord (&c)[LP::kLoads], float s) {
     float nv[LP::kLoads][kVec];
     uint32_t amax = 0;
+    const float f = folded_scale(M1 ? a.k.b1 : a.k.b2, s);
 #pragma unroll
     for (int k = 0; k < LP::kLoads; ++k) {
       const int64_t e = e0 + LP::index(j, k, 0);
-      float m[kVec];
-      decode_state_piece(c[k], s, e, a.n, m);
+      float m[kVec];  // the values, or beta m with kFoldState
+      decode_state_piece(c[k], f, e, a.n, m);
 #pragma unroll
       for (int t = 0; t < kVec; ++t) {
-        float n1, n2;  // the other average's half of comp_update_residual is dead code
-        comp_update_residual(u[k][t], M1 ? m[t] : 0.0f, M1 ? 0.0f : m[t], a.k, &n1, &n2);
-        nv[k][t] = M1 ? n1 : n2;
+        if constexpr (kFoldState) {  // comp_update_residual's sum
+          nv[k][t] = add_rn(m[t], mul_rn(M1 ? a.k.c1 : a.k.c2, u[k][t]));
+        } else {
+          float n1, n2;  // the other average's half of comp_update_residual is dead code
+          comp_update_residual(u[k][t], M1 ? m[t] : 0.0f, M1 ? 0.0f : m[t], a.k, &n1, &n2);
+          nv[k][t] = M1 ? n1 : n2;
+        }
       }
       amax = max(amax, abs_max_bits(nv[k], e, a.n));
     }
@@ -657,9 +719,15 @@ struct FastStages {
         const int64_t e = e0 + LP::index(j, k, 0);
         float m1[kVec], m2[kVec];
         fast::unpack_values<T, kVec>(xw[k], v[k]);
-        decode_state_piece(c1[k], s1, e, a.n, m1);
-        decode_state_piece(c2[k], s2, e, a.n, m2);
-        apply_and_scale(a, v[k], m1, m2);
+        if constexpr (kFoldState) {  // (eta a) m1, (eta (1 - a)) m2
+          decode_state_piece(c1[k], folded_scale(a.k.ea, s1), e, a.n, m1);
+          decode_state_piece(c2[k], folded_scale(a.k.eb, s2), e, a.n, m2);
+          apply_products_and_scale(a, v[k], m1, m2);
+        } else {
+          decode_state_piece(c1[k], s1, e, a.n, m1);
+          decode_state_piece(c2[k], s2, e, a.n, m2);
+          apply_and_scale(a, v[k], m1, m2);
+        }
       }
       uint32_t wire;
       const fast::Encoder enc = group_encoder<kLd, kLn>(a, v, &wire);  // every lane: shuffles
@@ -674,7 +742,11 @@ struct FastStages {
         for (int t = 0; t < kVec; ++t) {
           codes[t] = fast::encode<BITS>(v[k][t], enc) & enc.mask;
           // u = (x' - what the owner decodes) in x's units
-          v[k][t] = mul_rn(sub_rn(v[k][t], fast::decode_fast(codes[t], d)), inv);
+          v[k][t] = sub_rn(v[k][t], fast::decode_fast(codes[t], d));
+        }
+        if (!skip_unit_factor(inv)) {
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) v[k][t] = mul_rn(v[k][t], inv);
         }
         fast::store_piece<kVec, BITS>(slot + piece_byte<kLn>(local0 + q, j, k), codes,
                                       0xFFFFFFFFu);
@@ -802,8 +874,14 @@ struct FastStages {
         } else if (r == a.me) {
           if constexpr (kKeepOwn) {
             float m1[kVec], m2[kVec];
-            unpack_own(own, v[0], m1, m2);
-            apply_and_scale(a, v[0], m1, m2);
+            if constexpr (kFoldOwn) {  // (eta a) m1, (eta (1 - a)) m2
+              unpack_own(own, v[0], m1, m2, folded_scale(a.k.ea, own.s1),
+                         folded_scale(a.k.eb, own.s2));
+              apply_products_and_scale(a, v[0], m1, m2);
+            } else {
+              unpack_own(own, v[0], m1, m2, own.s1, own.s2);
+              apply_and_scale(a, v[0], m1, m2);
+            }
           } else {
 #pragma unroll
             for (int k = 0; k < kLoads; ++k)
@@ -855,8 +933,13 @@ struct FastStages {
         // g = 128), 4 instead of 5 blocks an SM.
         if (!valid) continue;
         UpdateIn in[kLoads];
-        if constexpr (kKeepOwn) unpack_own(own, in[0].x, in[0].m1, in[0].m2);
-        else prefetch_update(a, e0, j, in);
+        if constexpr (kFoldOwn)  // beta1 m1, beta2 m2 (update_local)
+          unpack_own(own, in[0].x, in[0].m1, in[0].m2, folded_scale(a.k.b1, own.s1),
+                     folded_scale(a.k.b2, own.s2));
+        else if constexpr (kKeepOwn)
+          unpack_own(own, in[0].x, in[0].m1, in[0].m2, own.s1, own.s2);
+        else
+          prefetch_update(a, e0, j, in);
         if (j == 0) {  // the parameters go to every rank's gather slot for this owner
           for (int r = 0; r < a.P; ++r)
             fast::store_wire(reinterpret_cast<uint16_t*>(a.ws[r] +

@@ -67,6 +67,18 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_MIN_BLOCKS_Q8
 #define ECHO_P2P_MIN_BLOCKS_Q8 1
 #endif
+// Arithmetic the int8 state's local-residual stages skip (bf16 and fp32 x; both exact, so every
+// setting gives the same bits): ECHO_P2P_FOLD_STATE_SCALE multiplies each coefficient of Eq. 10 /
+// 11 into a group's state scale once, so a state value's product with it is one multiply instead
+// of two (FastStages::folded_scale); ECHO_P2P_SKIP_UNIT_FACTOR skips the rescaling's multiplies
+// by 1, the factor of every call that is not rescaled (uniform branches). docs/gpu.md has the
+// times.
+#ifndef ECHO_P2P_FOLD_STATE_SCALE
+#define ECHO_P2P_FOLD_STATE_SCALE 1
+#endif
+#ifndef ECHO_P2P_SKIP_UNIT_FACTOR
+#define ECHO_P2P_SKIP_UNIT_FACTOR 1
+#endif
 
 // Error codes written to the host-mapped error word (1 + stage * 256 + peer).
 enum Stage : int { kStagePush = 0, kStageGather = 1 };

@@ -243,16 +243,26 @@ def test_virtual_ranks_local_residual_match_reference(cuda, xdtype):
     it sends from x' - Q(x'), the reduce the own segment's from s - Q(s), the tail stores y
     only. y and every code and scale bit for bit with the xla transport's
     (`xla_allreduce_local`, itself checked against float64 NumPy), two chained calls, 4 and 8
-    bits, P = 2, 3 and 4, a short last group, a NaN (its groups NaN on both), and the
-    rescaling's factor operand (rescale=True: the residual divided by the factor)."""
+    bits, P = 2, 3 and 4, a short last group, a NaN (its groups NaN on both), the
+    rescaling's factor operand (rescale=True: the residual divided by the factor), groups that
+    span the dtype's range (as in the int8 state's test), and coefficients at the ends of what
+    the kernels fold into the state's scales (0 and 2^-20, EchoConfig's bound)."""
     rng = np.random.default_rng(7 + len(xdtype))
     for nranks, bits, n, case in ((4, 4, 65536, ""), (2, 8, 4096 + 64, ""), (3, 4, 4096 + 64, ""),
-                                  (4, 4, 4096 + 64, "nan"), (4, 4, 8192, "factor")):
-        cfg = ej.EchoConfig(bits=bits, state_dtype="int8", residual="local")
+                                  (4, 4, 4096 + 64, "nan"), (4, 4, 8192, "factor"),
+                                  (3, 4, 8192, "range"), (4, 4, 4096 + 64, "coefficients")):
+        extremes = dict(eta=1.0, blend=1.0, beta1=0.0, beta2=2.0 ** -20)
+        cfg = ej.EchoConfig(bits=bits, state_dtype="int8", residual="local",
+                            **(extremes if case == "coefficients" else {}))
         x0, x1, x2 = (np.asarray(rng.standard_normal((nranks, n)), np.float32)
                       for _ in range(3))
         if case == "nan":
             x1[1, 4100] = np.nan
+        if case == "range":  # exponents -100 .. 120 (fp16: -8 .. 12), one a 128-value group
+            lo, hi = (-8, 12) if xdtype == "float16" else (-100, 120)
+            exps = np.linspace(lo, hi, n // 128).round().astype(np.int32)
+            scale = np.repeat(np.ldexp(np.float32(1), exps), 128).astype(np.float32)
+            x0, x1, x2 = x0 * scale, x1 * scale, x2 * scale
         x0, x1, x2 = (jnp.asarray(v).astype(xdtype) for v in (x0, x1, x2))
         what = f"P={nranks} {xdtype} bits={bits} n={n} case={case!r}"
         zero = jax.vmap(lambda v: ej.init_state(v, cfg))(x0)

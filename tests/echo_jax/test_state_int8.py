@@ -93,6 +93,39 @@ def test_zero_and_non_finite_groups():
     assert back[300] == 2.0 and np.all(back[256:300] == 0)           # the max is exact
 
 
+def test_a_coefficient_folds_into_the_scale_exactly_from_2_to_the_minus_20():
+    """The CUDA stages compute (c s) q for c (q s) (FoldedState); NumPy's correctly rounded
+    fp32 products say both are the same bits for every c in {0} U [2^-20, 1], every scale the
+    format makes (powers of two 2^-106 .. 2^121, 0, inf, NaN) and every code, and not below
+    2^-20, which EchoConfig refuses with the int8 state."""
+    rng = np.random.default_rng(0)
+    q = np.arange(-127, 128).astype(F32)[:, None]
+    scales = np.concatenate([2.0 ** np.arange(-106, 122), [0.0, np.inf, np.nan]]).astype(F32)
+
+    def folded_equals_plain(c):
+        c = F32(c)
+        with np.errstate(all="ignore"):
+            folded = (c * scales)[None, :] * q
+            plain = c * (q * scales[None, :])
+        return np.array_equal(folded.view(np.uint32), plain.view(np.uint32)) or (
+            np.array_equal(np.isnan(folded), np.isnan(plain))
+            and np.array_equal(folded[~np.isnan(folded)], plain[~np.isnan(plain)])
+            and np.array_equal(np.signbit(folded[~np.isnan(folded)]),
+                               np.signbit(plain[~np.isnan(plain)])))
+
+    cs = [0.0, 2.0 ** -20, 1.0, 0.2625, 0.4875, 0.7, 0.3]
+    cs += list(2.0 ** rng.uniform(-20, 0, 200))
+    assert all(folded_equals_plain(c) for c in cs)
+    assert not folded_equals_plain(2.0 ** -20 * 0.7)  # below: c s is subnormal, inexact
+    ej.EchoConfig(state_dtype="int8", eta=0.0)
+    ej.EchoConfig(state_dtype="int8", eta=1.0, blend=1.0, beta1=0.0, beta2=2.0 ** -20)
+    with pytest.raises(ValueError, match=r"needs beta2 to be 0 or at least 2\^-20, got 5\.96"):
+        ej.EchoConfig(state_dtype="int8", beta2=2.0 ** -21 * 1.25)
+    with pytest.raises(ValueError, match=r"needs eta \* blend .*state_dtype='bfloat16'"):
+        ej.EchoConfig(state_dtype="int8", eta=1e-7)
+    ej.EchoConfig(state_dtype="float32", eta=1e-7)  # only the int8 state folds
+
+
 def test_init_and_check_state():
     x = jnp.ones((3, 100), jnp.bfloat16)
     st = ej.init_state(x, INT8)
