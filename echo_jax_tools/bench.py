@@ -172,7 +172,8 @@ def timing_loop(fn, carry_state: bool = False):
 
 
 def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None,
-                  carry_state: bool = False, calls_per_iteration: int = 1) -> dict:
+                  carry_state: bool = False, calls_per_iteration: int = 1,
+                  baseline=None) -> dict:
     """Time fn(x) in device-side loops (see the module docstring).
 
     Args:
@@ -190,9 +191,15 @@ def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None,
         inputs would be merged into one call), so the loop's own cost per iteration (its
         counter and predicate, a few microseconds on a GPU) is shared by K calls. Not with
         carry_state.
+      baseline: None, or (fn_b, x_b): a second op timed in a loop of its own (the same iters,
+        one call an iteration) right before each of fn's timed loops, so that the two are
+        paired and a drift of the device's speed over the run enters both (`bench allreduce
+        --next-matmul`: the multiplication alone, before the call and the multiplication).
 
     Returns:
-      dict(median_s, min_s, max_s, loop_s): seconds per call, and each loop's per-call time.
+      dict(median_s, min_s, max_s, loop_s): seconds per call, and each loop's per-call time;
+      with a baseline also baseline_s (its median per call), baseline_loop_s and paired_diff_s,
+      the median over the repeats of fn's loop minus the baseline loop before it, per call.
     """
     iters, repeats = max(1, int(iters)), max(1, int(repeats))
     warmup = iters if warmup is None else max(1, int(warmup))
@@ -213,13 +220,28 @@ def time_op_stats(fn, x, iters: int, repeats: int, warmup: int | None = None,
     # The timed program is compiled before the clock starts (a trip count other than warmup's is
     # another program; compiling it inside the first timed loop made that loop an outlier).
     timed = warm if iters == warmup else loop.lower(x, iters).compile()
-    times = []
+    if baseline is not None:
+        fn_b, x_b = baseline
+        x_b = (x_b,)
+        loop_b = timing_loop(fn_b)
+        warm_b = loop_b.lower(x_b, warmup).compile()
+        jax.block_until_ready(warm_b(x_b))
+        timed_b = warm_b if iters == warmup else loop_b.lower(x_b, iters).compile()
+    times, base_times = [], []
     for _ in range(repeats):
+        if baseline is not None:
+            t0 = time.perf_counter()
+            jax.block_until_ready(timed_b(x_b))
+            base_times.append((time.perf_counter() - t0) / iters)
         t0 = time.perf_counter()
         jax.block_until_ready(timed(x))
         times.append((time.perf_counter() - t0) / (iters * k_calls))
-    return dict(median_s=statistics.median(times), min_s=min(times), max_s=max(times),
-                loop_s=times)
+    out = dict(median_s=statistics.median(times), min_s=min(times), max_s=max(times),
+               loop_s=times)
+    if baseline is not None:
+        out.update(baseline_s=statistics.median(base_times), baseline_loop_s=base_times,
+                   paired_diff_s=statistics.median(t - b for t, b in zip(times, base_times)))
+    return out
 
 
 def time_op(fn, x, iters: int, repeats: int, warmup: int | None = None,
@@ -531,8 +553,8 @@ def bench_allreduce(args) -> dict:
             if mm_dim:
                 w = place(jax.random.normal(jax.random.key(args.seed + 1), (ranks, mm_dim, mm_dim),
                                             jnp.float32).astype(dtype) / np.sqrt(mm_dim))[0]
-                mm_s = time_op(lambda v, w=w: jnp.matmul(v.reshape(v.shape[0], -1, mm_dim), w),
-                               x, args.iters, args.repeats)
+                def matmul(v, w=w):
+                    return jnp.matmul(v.reshape(v.shape[0], -1, mm_dim), w)
             m1, m2 = zeros, zeros
             for cname in ("p2p4-comp-unfused", "p2p4-comp-fused"):
                 if cname in wanted and cname not in unavailable:
@@ -577,10 +599,13 @@ def bench_allreduce(args) -> dict:
                         for a, b in zip(out, outputs["p2p4-comp-fused"]))
                 if mm_dim:
                     both = time_op_stats(with_next_matmul(fn, compensated, w), inp, args.iters,
-                                         args.repeats, args.warmup,
-                                         carry_state=compensated)["median_s"]
-                    row.update(next_matmul_dim=mm_dim, with_next_matmul_s=both,
-                               next_matmul_s=mm_s, added_to_next_matmul_s=both - mm_s)
+                                         args.repeats, args.warmup, carry_state=compensated,
+                                         baseline=(matmul, x))
+                    row.update(next_matmul_dim=mm_dim, with_next_matmul_s=both["median_s"],
+                               next_matmul_s=both["baseline_s"],
+                               added_to_next_matmul_s=both["paired_diff_s"],
+                               with_next_matmul_loop_s=both["loop_s"],
+                               next_matmul_loop_s=both["baseline_loop_s"])
                 rows.append(row)
                 print(f"  {format_size(size):>6} {name:<18} {stats['median_s'] * 1e3:10.4f} ms"
                       f"  err {err:.3g}", file=sys.stderr, flush=True)
@@ -601,9 +626,12 @@ def bench_allreduce(args) -> dict:
     if mm_dim:
         notes.append(f"with_next_matmul_s: the row followed by the next layer's multiplication "
                      f"of its sum ([P, n / {mm_dim}, {mm_dim}] times a [{mm_dim}, {mm_dim}] "
-                     "matrix) in the same timed loop; added_to_next_matmul_s = that minus the "
-                     "multiplication alone (next_matmul_s): what the call adds to the critical "
-                     "path, the Echo paper's Table 2 method for its fused row, where the state "
+                     "matrix) in the same timed loop; next_matmul_s: the multiplication alone, "
+                     "timed in a loop of its own right before each of those loops (the pairs "
+                     "in next_matmul_loop_s, with_next_matmul_loop_s); added_to_next_matmul_s: "
+                     "the median over the pairs of the difference: what the call adds to the "
+                     "critical path, the Echo paper's Table 2 method for its fused row, where the "
+                     "state "
                      "update may run beside the multiplication (state_update='separate', on a "
                      "second GPU stream)")
     if args.virtual:
