@@ -157,6 +157,8 @@ class EchoConfig:
         if self.state_dtype == "int8":
             # The int8 state's CUDA stages multiply each coefficient into a group's scale (a
             # power of two >= 2^-106): exact, and so the same bits, for 0 and [2^-20, 1].
+            # The fp32 values of compensator.Coefficients.from_config, computed the same way
+            # here: this module may not import that one (it imports this one).
             e, a = self.eta, self.blend
             coeffs = {"eta * blend": e * a, "eta * (1 - blend)": e * (1.0 - a),
                       "beta1": self.beta1, "beta2": self.beta2}
