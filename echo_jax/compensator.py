@@ -45,6 +45,15 @@ per-group scale keep it to at most 1/127 of its group's largest value. Why a fix
 128 rather than the site's g: the state flows from site to site, and sites may use different
 group sizes.
 
+The int4 state (`EchoConfig.state_dtype="int4"`): the same with codes in [-7, 7] (`jnp.int4`,
+which XLA packs two a byte, element 2i in the low nibble) and s the smallest power of two with
+7 s >= max|v|: a step between max|v| / 7 and twice that. Near fp32's largest value a code
+can read back as inf: for max|v| above 1.75 * 2^127 (about 2.98e38) s is 2^126 and a code of 4
+or more is 2^128 or more (the same in every implementation: q * s overflows). Meant for the local residual
+(`EchoConfig.residual="local"`), whose values are each rank's rounding errors: their 4-bit
+rounding is a second-order term next to the wire's 4-bit error, and the state's bytes are most
+of what the compensated call moves beyond the plain call.
+
 Where the update runs (`EchoConfig.state_update`): "in_call" inside the all-reduce, where y is
 produced; "separate" as its own op after the call (`update_beside`, the Echo paper Sec. 5.3 and
 Appendix C): it recomputes x' from x, m1, m2 and takes y as the call returned it, and on GPUs it
@@ -67,13 +76,16 @@ from echo_jax.config import EchoConfig
 from echo_jax.quant import _no_fma
 
 
-#: Values per scale of the int8 state (`EchoConfig.state_dtype="int8"`).
+#: Values per scale of the int8 and int4 states (`EchoConfig.state_dtype="int8"`, "int4").
 STATE_GROUP = 128
+#: The quantized states' code dtypes and their largest code.
+STATE_LEVELS = {jnp.dtype(jnp.int8): 127, jnp.dtype(jnp.int4): 7}
 
 
 class QuantizedMoment(NamedTuple):
-    """One average of the int8 state (`EchoConfig.state_dtype="int8"`): int8 codes in x's
-    per-rank shape and their fp32 scales, one per STATE_GROUP values of the flattened array."""
+    """One average of a quantized state (`EchoConfig.state_dtype="int8"` or "int4"): int8 or
+    int4 codes in x's per-rank shape and their fp32 scales, one per STATE_GROUP values of the
+    flattened array."""
 
     codes: jax.Array
     scales: jax.Array
@@ -89,7 +101,7 @@ class CompensatorState(NamedTuple):
 
     @property
     def quantized(self) -> bool:
-        """Whether m1, m2 are int8 codes with per-group scales (`QuantizedMoment`)."""
+        """Whether m1, m2 are int8 or int4 codes with per-group scales (`QuantizedMoment`)."""
         return isinstance(self.m1, QuantizedMoment)
 
 
@@ -178,7 +190,7 @@ def init_state(x, config: EchoConfig | None = None, *, dtype=None, axis_name=Non
         except TypeError:  # a ShapeDtypeStruct without a type JAX reads
             varying = frozenset()
         z = _compat.to_varying(jnp.zeros(jnp.shape(leaf), dt), tuple(varying) + axes)
-        if dt != jnp.int8:
+        if dt not in STATE_LEVELS:
             return CompensatorState(z, z)
         s = _compat.to_varying(jnp.zeros((num_state_groups(z.size),), jnp.float32),
                                tuple(varying) + axes)
@@ -207,7 +219,7 @@ class Coefficients:
 
 
 def num_state_groups(size: int) -> int:
-    """Scales of an int8 state array of `size` values: ceil(size / STATE_GROUP)."""
+    """Scales of a quantized state array of `size` values: ceil(size / STATE_GROUP)."""
     return -(-int(size) // STATE_GROUP)
 
 
@@ -219,20 +231,23 @@ def _grouped(v, size: int):
 
 #: Bits of fp32 2^-100: a group whose largest |v| is below it is stored as zeros (scale 0).
 _STATE_TINY_BITS = np.uint32(27 << 23)
-#: The mantissa bits of 127 / 64 = 1.984375: 127 * 2^(E-6) has max|v|'s exponent E and these.
-_STATE_127_MANTISSA = np.uint32(0x007E0000)
+#: For each largest code L: (k, the mantissa bits of L / 2^k) with L * 2^(E-k) the largest value
+#: of exponent E that the scale 2^(E-k) covers (127 / 64 = 1.984375, 7 / 4 = 1.75).
+_STATE_FITS = {127: (6, np.uint32(0x007E0000)), 7: (2, np.uint32(0x00600000))}
 
 
-def state_scale(amax):
-    """The int8 state's scales and their inverses for groups whose largest |v| is amax (fp32):
-    s = the smallest power of two with 127 s >= amax and 1 / s, both exact, from amax's bits
-    (module docstring); s = 0, 1 / s = 0 below 2^-100; s = amax, 1 / s = 0 when not finite."""
+def state_scale(amax, levels: int = 127):
+    """A quantized state's scales and their inverses for groups whose largest |v| is amax
+    (fp32): s = the smallest power of two with levels * s >= amax and 1 / s, both exact, from
+    amax's bits (module docstring); s = 0, 1 / s = 0 below 2^-100; s = amax, 1 / s = 0 when not
+    finite. levels: 127 (int8) or 7 (int4)."""
+    k, mantissa = _STATE_FITS[levels]
     bits = lax.bitcast_convert_type(amax, jnp.uint32)
     finite = bits < np.uint32(0x7F800000)
     usable = finite & (bits >= _STATE_TINY_BITS)
     exponent = bits >> 23  # biased
-    fits = bits <= ((bits & np.uint32(0x7F800000)) | _STATE_127_MANTISSA)  # amax <= 127 2^(E-6)
-    e = jnp.where(fits, exponent - 6, exponent - 5)  # s's biased exponent
+    fits = bits <= ((bits & np.uint32(0x7F800000)) | mantissa)  # amax <= levels 2^(E-k)
+    e = jnp.where(fits, exponent - k, exponent - (k - 1))  # s's biased exponent
     e = jnp.where(usable, e, np.uint32(127))  # (unused where not usable; keeps the shifts sane)
     s = lax.bitcast_convert_type(e << 23, jnp.float32)
     inv = lax.bitcast_convert_type((np.uint32(254) - e) << 23, jnp.float32)
@@ -241,28 +256,38 @@ def state_scale(amax):
             jnp.where(usable, inv, zero))
 
 
-def quantize_state(v32):
-    """An fp32 average (any shape) as the int8 state's (codes in v's shape, scales): per group
-    of STATE_GROUP values of the flattened array, s the smallest power of two with 127 s >=
-    max|v| and q = rne(v / s) (`state_scale`, module docstring). A group with a non-finite
-    value gets a non-finite scale and codes 0; one below 2^-100 scale 0 and codes 0."""
+def quantize_state(v32, dtype=jnp.int8):
+    """An fp32 average (any shape) as a quantized state's (codes in v's shape, scales): per
+    group of STATE_GROUP values of the flattened array, s the smallest power of two with L s >=
+    max|v| and q = rne(v / s), L = 127 for int8 codes and 7 for int4 ones (`state_scale`, module
+    docstring). A group with a non-finite value gets a non-finite scale and codes 0; one below
+    2^-100 scale 0 and codes 0.
+
+    Args:
+      v32: the values, any shape (widened to fp32).
+      dtype: the codes' dtype, jnp.int8 or jnp.int4.
+    """
+    dtype = jnp.dtype(dtype)
+    levels = STATE_LEVELS[dtype]
     size = int(jnp.size(v32))
     g = _grouped(v32.astype(jnp.float32), size)
-    scale, inv = state_scale(jnp.max(jnp.abs(g), axis=1))
+    scale, inv = state_scale(jnp.max(jnp.abs(g), axis=1), levels)
     # v * (1 / s) is exact; a NaN product (inf * 0 or a NaN) converts to 0, as XLA converts it.
-    q = jnp.clip(jnp.round(g * inv[:, None]), -127, 127).astype(jnp.int8)
-    return q.reshape(-1)[:size].reshape(jnp.shape(v32)), scale
+    q = jnp.clip(jnp.round(g * inv[:, None]), -levels, levels).astype(jnp.int8)
+    return q.reshape(-1)[:size].reshape(jnp.shape(v32)).astype(dtype), scale
 
 
 def dequantize_state(q, scale):
-    """The int8 state's codes (any shape) and scales as fp32 values in q's shape: q * s."""
+    """A quantized state's codes (int8 or int4, any shape) and scales as fp32 values in q's
+    shape: q * s."""
     size = int(jnp.size(q))
     g = _grouped(q.astype(jnp.float32), size)
     return (g * scale[:, None]).reshape(-1)[:size].reshape(jnp.shape(q))
 
 
 def _widen(m):
-    """A stored average as fp32 (exact for a bfloat16 state; no op for fp32; q * s for int8)."""
+    """A stored average as fp32 (exact for a bfloat16 state; no op for fp32; q * s for int8 and
+    int4)."""
     if isinstance(m, QuantizedMoment):
         return dequantize_state(m.codes, m.scales)
     return m if jnp.result_type(m) == jnp.float32 else m.astype(jnp.float32)
@@ -281,7 +306,8 @@ def _store(v32, dtype):
 
 
 def flat_state(state: CompensatorState) -> CompensatorState:
-    """The state with its arrays (an int8 state's codes) flattened; scales stay as they are."""
+    """The state with its arrays (a quantized state's codes) flattened; scales stay as they
+    are."""
     def flat(m):
         return QuantizedMoment(jnp.ravel(m.codes), m.scales) if isinstance(
             m, QuantizedMoment) else jnp.ravel(m)
@@ -289,7 +315,7 @@ def flat_state(state: CompensatorState) -> CompensatorState:
 
 
 def shaped_state(state: CompensatorState, shape) -> CompensatorState:
-    """`flat_state` undone: the arrays (an int8 state's codes) reshaped to `shape`."""
+    """`flat_state` undone: the arrays (a quantized state's codes) reshaped to `shape`."""
     def shaped(m):
         return QuantizedMoment(m.codes.reshape(shape), m.scales) if isinstance(
             m, QuantizedMoment) else m.reshape(shape)
@@ -303,10 +329,10 @@ def moments(state: CompensatorState):
 
 def stored_like(n1, n2, state: CompensatorState) -> CompensatorState:
     """New fp32 averages n1, n2 stored in the format of `state` (its dtype; int8 codes and
-    scales for an int8 state)."""
+    scales for an int8 or int4 state)."""
     if state.quantized:
-        return CompensatorState(QuantizedMoment(*quantize_state(n1)),
-                                QuantizedMoment(*quantize_state(n2)))
+        return CompensatorState(QuantizedMoment(*quantize_state(n1, state.m1.codes.dtype)),
+                                QuantizedMoment(*quantize_state(n2, state.m2.codes.dtype)))
     return CompensatorState(_store(n1, jnp.result_type(state.m1)),
                             _store(n2, jnp.result_type(state.m2)))
 
@@ -323,7 +349,7 @@ def update_state(x_prime, y32, num_ranks: int, state: CompensatorState,
     """Residual u = x' - y/P and the two moving averages (Eq. 4 and Eq. 11), in fp32.
 
     The new m1, m2 are returned in the format of `state`'s (rounded to nearest even if that is
-    bfloat16; unchanged bits for fp32; codes and scales for int8, `stored_like`).
+    bfloat16; unchanged bits for fp32; codes and scales for int8 and int4, `stored_like`).
     """
     t = _no_fma(y32 * np.float32(1.0 / num_ranks))
     return update_with_residual(x_prime - t, state, k)
@@ -404,30 +430,37 @@ def update_beside(x, y, num_ranks: int, state: CompensatorState, k: Coefficients
 #: zero and one NaN (bits 0x80, the code -128, which the state never stores: codes are clipped
 #: to +-127), so a code plus a zero cotangent keeps its bits.
 CODES_CARRIER = jnp.dtype(jnp.float8_e4m3fnuz)
+#: The same for the int4 state's codes: float4_e2m1fn has their 4 bits, no NaN and no inf, and
+#: two zeros (bits 0x0 and 0x8: the code -8, which the state never stores: codes are clipped to
+#: +-7), so a code plus a zero cotangent keeps its bits.
+CODES_CARRIER_4 = jnp.dtype(jnp.float4_e2m1fn)
+_CARRIERS = {jnp.dtype(jnp.int8): CODES_CARRIER, jnp.dtype(jnp.int4): CODES_CARRIER_4}
 
 
 def as_carrier(state):
-    """A state (or a pytree of them, None leaves kept) with an int8 state's codes bitcast to
-    CODES_CARRIER, the form a backward site threads; other states are returned as they are.
+    """A state (or a pytree of them, None leaves kept) with a quantized state's codes bitcast
+    to CODES_CARRIER (int8) or CODES_CARRIER_4 (int4), the form a backward site threads; other
+    states are returned as they are.
 
     Args:
       state: a `CompensatorState`, a pytree of them, or None.
 
     Returns:
-      The same structure; each `QuantizedMoment`'s codes in CODES_CARRIER (bits unchanged).
+      The same structure; each `QuantizedMoment`'s codes in its carrier (bits unchanged).
     """
-    return _map_codes(state, CODES_CARRIER)
+    return _map_codes(state, _CARRIERS)
 
 
 def from_carrier(state):
-    """`as_carrier` undone: an int8 state's codes back to int8 (bits unchanged)."""
-    return _map_codes(state, jnp.int8)
+    """`as_carrier` undone: a quantized state's codes back to int8 / int4 (bits unchanged)."""
+    return _map_codes(state, {c: d for d, c in _CARRIERS.items()})
 
 
-def _map_codes(state, dtype):
+def _map_codes(state, dtypes):
     def one(m):
-        if isinstance(m, QuantizedMoment) and jnp.result_type(m.codes) != dtype:
-            return QuantizedMoment(lax.bitcast_convert_type(m.codes, dtype), m.scales)
+        dt = isinstance(m, QuantizedMoment) and dtypes.get(jnp.dtype(jnp.result_type(m.codes)))
+        if dt:
+            return QuantizedMoment(lax.bitcast_convert_type(m.codes, dt), m.scales)
         return m
     return jax.tree.map(one, state, is_leaf=lambda m: isinstance(m, QuantizedMoment))
 
@@ -448,8 +481,9 @@ def to_varying_state(state: CompensatorState | None, axis) -> CompensatorState |
 def check_state(state, x, where: str = "echo_psum", config: EchoConfig | None = None) -> None:
     """Raise a ValueError that names the problem if `state` does not fit contribution `x`.
 
-    The state's dtype must be config.state_dtype (float32 when config is None); an int8 state's
-    m1, m2 are `QuantizedMoment`s with fp32 scales of ceil(size / STATE_GROUP) values.
+    The state's dtype must be config.state_dtype (float32 when config is None); an int8 or
+    int4 state's m1, m2 are `QuantizedMoment`s with fp32 scales of ceil(size / STATE_GROUP)
+    values.
     """
     if not isinstance(state, CompensatorState):
         raise ValueError(
@@ -458,11 +492,12 @@ def check_state(state, x, where: str = "echo_psum", config: EchoConfig | None = 
     want = jnp.dtype(config.state_dtype if config is not None else jnp.float32)
     groups = (num_state_groups(jnp.size(x)),)
     for name, m in (("m1", state.m1), ("m2", state.m2)):
-        if (want == jnp.int8) != isinstance(m, QuantizedMoment):
+        quantized = want in STATE_LEVELS
+        if quantized != isinstance(m, QuantizedMoment):
             raise ValueError(
                 f"{where}: state.{name} must be " + (
-                    "a QuantizedMoment(codes, scales) for EchoConfig.state_dtype='int8'"
-                    if want == jnp.int8 else f"a {want} array (EchoConfig.state_dtype="
+                    f"a QuantizedMoment(codes, scales) for EchoConfig.state_dtype={want.name!r}"
+                    if quantized else f"a {want} array (EchoConfig.state_dtype="
                     f"{want.name!r}), got a QuantizedMoment") + "; use init_state(x, config)")
         arr = m.codes if isinstance(m, QuantizedMoment) else m
         if jnp.shape(arr) != jnp.shape(x):

@@ -18,11 +18,13 @@ POLICIES = _policies.NAMES
 TRANSPORTS = ("auto", "p2p", "xla")
 BITS = (4, 8)
 ROTATIONS = ("none", "hadamard")
-STATE_DTYPES = ("float32", "bfloat16", "int8")
+STATE_DTYPES = ("float32", "bfloat16", "int8", "int4")
+#: The state dtypes stored as integer codes with one power-of-two scale per 128 values.
+QUANTIZED_STATE_DTYPES = ("int8", "int4")
 STATE_UPDATES = ("in_call", "separate")
 RESIDUALS = ("output", "local")
 #: The smallest nonzero compensator coefficient (eta * blend, eta * (1 - blend), beta1, beta2 in
-#: fp32) the int8 state takes: its kernels fold the coefficients into the state's scales.
+#: fp32) the int8 and int4 states take: their kernels fold the coefficients into the scales.
 INT8_STATE_MIN_COEFFICIENT = 2.0 ** -20
 
 
@@ -68,7 +70,10 @@ class EchoConfig:
         run in JAX around the uncompensated call (the call plan says why). Its coefficients
         (eta * blend, eta * (1 - blend), beta1, beta2, each in fp32) must each be 0 or at least
         2^-20 (INT8_STATE_MIN_COEFFICIENT): the CUDA stages multiply them into the state's
-        power-of-two scales, exactly in that range.
+        power-of-two scales, exactly in that range. "int4": the same with 4-bit codes in
+        [-7, 7] (two a byte; an eighth of the fp32 state's bytes, half the int8 state's), meant
+        for residual="local", where each rank's residual is error-scale: fused into the custom
+        calls with residual="local" (CUDA) or either residual (CPU), with the same rules.
       state_update: where a compensated call's update step (Eq. 4 and 11) runs. "in_call"
         (default): inside the all-reduce, where y is produced (the fused custom calls' exit
         pass: the fewest bytes, but on the critical path). "separate": the call runs the apply
@@ -154,8 +159,8 @@ class EchoConfig:
         if not isinstance(self.residual, str) or self.residual not in RESIDUALS:
             raise ValueError(f"EchoConfig.residual must be one of {RESIDUALS}, got "
                              f"{self.residual!r}")
-        if self.state_dtype == "int8":
-            # The int8 state's CUDA stages multiply each coefficient into a group's scale (a
+        if self.state_dtype in QUANTIZED_STATE_DTYPES:
+            # The quantized states' CUDA stages multiply each coefficient into a group's scale (a
             # power of two >= 2^-106): exact, and so the same bits, for 0 and [2^-20, 1].
             # The fp32 values of compensator.Coefficients.from_config, computed the same way
             # here: this module may not import that one (it imports this one).
@@ -166,8 +171,9 @@ class EchoConfig:
                 c = float(np.float32(c))
                 if 0.0 < c < INT8_STATE_MIN_COEFFICIENT:
                     raise ValueError(
-                        f"EchoConfig(state_dtype='int8') needs {name} to be 0 or at least 2^-20, "
-                        f"got {c!r}: the int8 state's kernels multiply it into the state's "
+                        f"EchoConfig(state_dtype={self.state_dtype!r}) needs {name} to be 0 or "
+                        f"at least 2^-20, got {c!r}: the {self.state_dtype} state's kernels "
+                        "multiply it into the state's "
                         "scales, which is exact from 2^-20 on; use 0, a larger value or "
                         "state_dtype='bfloat16'")
         if self.residual == "local" and self.rotation != "none":
@@ -218,8 +224,8 @@ def _as_state_dtype(v) -> str:
     try:
         import ml_dtypes  # shipped with JAX; names numpy's extension dtype "bfloat16"
 
-        name = np.dtype(ml_dtypes.bfloat16 if isinstance(v, str) and v == "bfloat16"
-                        else v).name
+        named = {"bfloat16": ml_dtypes.bfloat16, "int4": ml_dtypes.int4}
+        name = np.dtype(named.get(v, v) if isinstance(v, str) else v).name
     except (TypeError, ValueError, AttributeError):
         raise bad from None
     if name not in STATE_DTYPES:

@@ -551,9 +551,9 @@ def state_for(value, *, axis="tp", mesh=None, spec=None, config: EchoConfig | No
                          f"{_spec(entries)} names it")
     _check_divisible("value", shape, entries, mesh, where)
     dt = comp.state_dtype(config, dtype)
-    if dt == jnp.int8:
+    if dt in comp.STATE_LEVELS:
         raise ValueError(
-            f"{where}: EchoConfig.state_dtype='int8' runs with echo_psum and the echo_jax.tp "
+            f"{where}: EchoConfig.state_dtype={dt.name!r} runs with echo_psum and the echo_jax.tp "
             "forward sites inside jax.shard_map, not yet with the jit / GSPMD helpers (its "
             "per-group scales are not laid out for a sharded state); use state_dtype='float32' "
             "or 'bfloat16' here")

@@ -148,11 +148,12 @@ def add_comm_args(parser: argparse.ArgumentParser, default_bits: int = 16) -> No
     g.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="Echo transport: auto (the custom call where it can run, else XLA), "
                         "xla, or p2p. Simulated ranks always use xla.")
-    g.add_argument("--state-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
+    g.add_argument("--state-dtype", choices=("float32", "bfloat16", "int8", "int4"),
+                   default="float32",
                    help="storage dtype of the compensator state m1, m2 (computed in fp32 "
-                        "either way; bfloat16 rounds the stored state to nearest even; int8: "
-                        "codes and a power-of-two scale a 128 values; needs --group-size 128). "
-                        "Default float32.")
+                        "either way; bfloat16 rounds the stored state to nearest even; int8 / "
+                        "int4: codes and a power-of-two scale a 128 values; needs --group-size "
+                        "128; int4 is meant for --residual local). Default float32.")
     g.add_argument("--state-update", choices=("in_call", "separate"), default="in_call",
                    help="where the compensator's update runs: in_call (inside the all-reduce) "
                         "or separate (its own op after it, on a second GPU stream beside the "

@@ -186,9 +186,9 @@ def zero_state(like, *, axis_name: str = "tp", config: SiteConfigs = None, mode:
     """
     dt = state_dtype(config)
     resolved = resolve_mode(mode, axis_name, where=where)
-    if dt == jnp.int8 and resolved == "gspmd":
+    if dt in (jnp.int8, jnp.int4) and resolved == "gspmd":
         raise ValueError(
-            f"{where}: EchoConfig.state_dtype='int8' runs in the layers' \"shard_map\" and "
+            f"{where}: EchoConfig.state_dtype={jnp.dtype(dt).name!r} runs in the layers' \"shard_map\" and "
             "\"local\" modes, not yet in \"gspmd\" mode (its per-group scales are not laid "
             "out for a state sharded by the jit / GSPMD helpers); run the model inside "
             "jax.shard_map, or give the layers state_dtype='float32' or 'bfloat16'")

@@ -471,8 +471,8 @@ def call_modes(transport: base.Transport, config: EchoConfig,
             why = "the call has no apply-only variant"
         elif compensation == "applied" and state_dtype not in base.WIDE_STATE_DTYPES:
             why = f"the applied call takes no {state_dtype} state"
-        elif state_dtype == "int8" and config.group_size != base.STATE_GROUP:
-            why = (f"the call's int8 state needs group_size {base.STATE_GROUP} (a wire group is "
+        elif state_dtype in base.QUANTIZED_STATE_DTYPES and config.group_size != base.STATE_GROUP:
+            why = (f"the call's {state_dtype} state needs group_size {base.STATE_GROUP} (a wire group is "
                    f"a state group), got {config.group_size}")
         else:
             why = transport.fused_state_reason(config, state_dtype)

@@ -36,13 +36,15 @@ REINSTALL = "`pip install --force-reinstall --no-deps -e .` in the echo_jax sour
 
 #: The state dtypes stored a value an element (not the int8 state's codes and scales).
 WIDE_STATE_DTYPES = ("float32", "bfloat16")
-#: Values of the int8 state that share one scale.
+#: Values of a quantized state (int8, int4) that share one scale.
 STATE_GROUP = comp.STATE_GROUP
+#: The state dtypes stored as codes and scales (`compensator.QuantizedMoment`).
+QUANTIZED_STATE_DTYPES = ("int8", "int4")
 
 
 def state_operands(m1, m2) -> tuple[list, tuple]:
-    """A compensated call's state operands (after x) and their result types: [m1, m2], or an
-    int8 state's [codes, scales] of each; every one is updated in place (operand and result
+    """A compensated call's state operands (after x) and their result types: [m1, m2], or a
+    quantized state's [codes, scales] of each; every one is updated in place (operand and result
     i + 1 aliased, y being result 0)."""
     arrays = [a for m in (m1, m2) for a in (
         (m.codes, m.scales) if isinstance(m, comp.QuantizedMoment) else (m,))]
@@ -50,7 +52,7 @@ def state_operands(m1, m2) -> tuple[list, tuple]:
 
 
 def state_codes(m):
-    """The array of one average in x's element count (an int8 state's codes)."""
+    """The array of one average in x's element count (a quantized state's codes)."""
     return m.codes if isinstance(m, comp.QuantizedMoment) else m
 
 
@@ -61,15 +63,16 @@ def state_from_arrays(arrays) -> tuple:
     return tuple(arrays)
 
 
-def check_quantized_moment(where: str, name: str, m, n: int) -> None:
-    """Raises a ValueError naming `name` unless m is an int8 state average of n values (codes
-    int8 [n] in any shape, scales float32 [ceil(n / STATE_GROUP)])."""
+def check_quantized_moment(where: str, name: str, m, n: int, dtype=jnp.int8) -> None:
+    """Raises a ValueError naming `name` unless m is a quantized state average of n values
+    (codes of `dtype`, int8 or int4, [n] in any shape, scales float32 [ceil(n / STATE_GROUP)])."""
     groups = comp.num_state_groups(n)
     codes, scales = m
-    if (jnp.size(codes) != n or jnp.result_type(codes) != jnp.int8
+    dtype = jnp.dtype(dtype)
+    if (jnp.size(codes) != n or jnp.result_type(codes) != dtype
             or jnp.shape(scales) != (groups,) or jnp.result_type(scales) != jnp.float32):
         raise ValueError(
-            f"{where}: {name} must be a QuantizedMoment of int8 codes with {n} elements and "
+            f"{where}: {name} must be a QuantizedMoment of {dtype.name} codes with {n} elements and "
             f"float32 scales [{groups}], got codes {jnp.result_type(codes)}"
             f"{list(jnp.shape(codes))} and scales {jnp.result_type(scales)}"
             f"{list(jnp.shape(scales))}; use the CompensatorState from "

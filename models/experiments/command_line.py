@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "4bit-comp-bf16state (the compensator state stored in bfloat16), "
                         "4bit-comp-int8state (int8 codes, one fp32 scale per 128 values), "
                         "4bit-comp-separate (EchoConfig.state_update='separate'), "
-                        "4bit-comp-local and 4bit-comp-int8state-local "
+                        "4bit-comp-local, 4bit-comp-int8state-local and "
+                        "4bit-comp-int4state-local "
                         "(EchoConfig.residual='local')")
 
     p = sub.add_parser("ablations", help="component ablations at 4 and 8 bits (Table 8)",

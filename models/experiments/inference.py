@@ -54,12 +54,15 @@ def inference_variants(tp: int, transport: str = "xla", extra: bool = False) -> 
         Variant("4bit-comp-int8state-local", "4-bit",
                 "4-bit comp, int8 state (scale per 128), local residual",
                 c(4, state_dtype="int8", residual="local")),
+        Variant("4bit-comp-int4state-local", "4-bit",
+                "4-bit comp, int4 state (scale per 128), local residual",
+                c(4, state_dtype="int4", residual="local")),
     ] if extra else [])
 
 
 #: Rows of the inference table that run only when --configs names them.
 EXTRA_INFERENCE = ("4bit-comp-bf16state", "4bit-comp-int8state", "4bit-comp-separate",
-                   "4bit-comp-local", "4bit-comp-int8state-local")
+                   "4bit-comp-local", "4bit-comp-int8state-local", "4bit-comp-int4state-local")
 
 
 def run_inference(args) -> dict:

@@ -1,0 +1,231 @@
+"""`EchoConfig.state_dtype="int4"`: the compensator state as 4-bit codes with a per-group scale.
+
+Checked against a NumPy reference written here from the format's definition (compensator module
+docstring): per group of 128 consecutive values of a rank's flattened average, s the smallest
+power of two with 7 s >= max|v| (0 below 2^-100), q = clip(rne(v / s), -7, 7), read back as
+q * s; the codes as XLA stores a `jnp.int4` array (two a byte, element 2i in the low nibble), the
+layout the custom calls read. Algorithm 1 with the local residual on the values read back, the
+plan, a scan carry, a backward site's carrier, and the GSPMD refusal. The CPU call bit for bit
+against the JAX path: tests/echo_jax/test_state_int4_cpu.py; the CUDA kernels:
+tests/echo_jax/test_p2p_cuda.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import echo_jax as ej
+from echo_jax import compensator as comp
+from echo_jax import transports
+from np_reference import coefficients
+
+F32 = np.float32
+INT4 = ej.EchoConfig(bits=4, transport="xla", state_dtype="int4", residual="local")
+
+
+def ref_quantize(v):
+    """NumPy float64 reference of the int4 state: (codes int8 in [-7, 7], scales) of a flat
+    fp32 array."""
+    v = np.asarray(v, F32).reshape(-1)
+    n = v.size
+    groups = -(-n // 128)
+    g = np.zeros(groups * 128, F32)
+    g[:n] = v
+    g = g.reshape(groups, 128).astype(np.float64)
+    scale = np.zeros(groups, F32)
+    q = np.zeros((groups, 128), np.int8)
+    for i, row in enumerate(g):
+        amax = np.abs(row).max()
+        if not np.isfinite(amax):
+            scale[i] = amax           # a non-finite group: its scale is max|v|, its codes 0
+            continue
+        if amax < 2.0 ** -100:
+            continue                  # stored as zeros
+        e = int(np.floor(np.log2(amax))) - 2
+        while 7 * 2.0 ** e < amax:    # the smallest power of two s with 7 s >= max|v|
+            e += 1
+        while 7 * 2.0 ** (e - 1) >= amax:
+            e -= 1
+        scale[i] = 2.0 ** e
+        q[i] = np.clip(np.round(row / 2.0 ** e), -7, 7)  # np.round: half to even
+    return q.reshape(-1)[:n], scale
+
+
+def ref_read(q, scale):
+    q = np.asarray(q).reshape(-1)
+    groups = np.repeat(np.asarray(scale, F32), 128)[: q.size]
+    with np.errstate(over="ignore"):
+        return (q.astype(np.float64) * groups.astype(np.float64)).astype(F32)
+
+
+def codes_of(q):
+    """The int4 codes as int8 values (NumPy widens ml_dtypes' int4 exactly)."""
+    return np.asarray(q).astype(np.int8)
+
+
+def test_the_format_matches_the_numpy_reference():
+    rng = np.random.default_rng(0)
+    for n in (1, 127, 128, 300, 1000, 20000):
+        v = (rng.standard_normal(n) * rng.choice([1e-35, 1e-6, 1.0, 3e4], size=n)).astype(F32)
+        if n >= 300:
+            v[:128] = 0.25
+            v[5] = 7 * 2.0 ** -3          # exactly 7 s: s = 2^-3, code 7
+            v[6] = -3.5 * 2.0 ** -3       # a tie: rne(-3.5) = -4
+            v[128:256] *= F32(1e-32)
+            v[256] = F32(3e38)
+        q, s = comp.quantize_state(jnp.asarray(v), jnp.int4)
+        rq, rs = ref_quantize(v)
+        assert q.dtype == jnp.int4 and q.shape == (n,) and s.shape == (-(-n // 128),)
+        np.testing.assert_array_equal(codes_of(q), rq)
+        np.testing.assert_array_equal(np.asarray(s).view(np.uint32), rs.view(np.uint32))
+        back = np.asarray(comp.dequantize_state(q, s))
+        np.testing.assert_array_equal(back.view(np.uint32), ref_read(rq, rs).view(np.uint32))
+        with np.errstate(over="ignore"):
+            err = np.abs(back.astype(np.float64) - v)
+        fin = np.isfinite(back)
+        assert np.all(err[fin] <= np.repeat(rs, 128)[:n][fin] * 0.5 + 1e-30)
+        if n >= 300:
+            assert rq[5] == 7 and rq[6] == -4 and rs[0] == F32(2.0 ** -3)
+            # Above 1.75 * 2^127 the scale is 2^126 and a code of 4 reads back as 2^128: inf
+            # (the module docstring); every implementation's product overflows alike.
+            assert rq[256] == 4 and back[256] == np.inf and fin.sum() == n - 1
+
+
+def test_xla_packs_the_codes_two_a_byte_low_nibble_first():
+    """The layout the custom calls read: element 2i in the low nibble of byte i, two's
+    complement (what `lax.bitcast_convert_type` of pairs shows of XLA's packed int4)."""
+    q = jnp.asarray(np.array([1, -2, 7, -7, 0, 3], np.int8)).astype(jnp.int4)
+    b = jax.jit(lambda a: lax.bitcast_convert_type(a.reshape(-1, 2), jnp.uint8))(q)
+    assert [int(v) for v in b] == [0xE1, 0x97, 0x30]
+
+
+def test_zero_and_non_finite_groups():
+    v = np.zeros(384, F32)
+    v[130] = np.nan
+    v[300] = 2.0
+    q, s = comp.quantize_state(jnp.asarray(v).reshape(3, 128), jnp.int4)
+    back = np.asarray(comp.dequantize_state(q, s)).reshape(-1)
+    assert q.shape == (3, 128)
+    assert np.all(back[:128] == 0) and float(s[0]) == 0.0
+    assert np.all(np.isnan(back[128:256]))
+    assert back[300] == 2.0 and np.all(back[256:300] == 0)
+
+
+def test_init_check_and_config():
+    x = jnp.ones((3, 100), jnp.bfloat16)
+    st = ej.init_state(x, INT4)
+    assert st.quantized and st.m1.codes.dtype == jnp.int4 and st.m1.codes.shape == (3, 100)
+    assert st.m1.scales.dtype == jnp.float32 and st.m1.scales.shape == (3,)
+    comp.check_state(st, x, config=INT4)
+    with pytest.raises(ValueError, match=r"state\.m1 must be int8 .*got int4"):
+        comp.check_state(st, x, config=INT4.replace(state_dtype="int8"))
+    assert ej.EchoConfig(state_dtype=jnp.int4).state_dtype == "int4"
+    with pytest.raises(ValueError, match=r"state_dtype='int4'\) needs beta2 to be 0 or at least"):
+        ej.EchoConfig(state_dtype="int4", beta2=2.0 ** -22)
+
+
+def test_one_call_matches_algorithm_1_with_the_local_residual_and_the_int4_store():
+    """The xla transport's call with residual="local": x' = x + c from the state read back
+    (Eq. 10), each rank's residual as `xla_allreduce_local` defines it, then Eq. 11 stored in
+    the int4 format; the NumPy side rebuilds the averages from the codes and the residual."""
+    from echo_jax.transports.xla import xla_allreduce_local
+    nranks, n = 4, 300
+    x = jax.random.normal(jax.random.key(1), (nranks, n))
+    m1 = 0.05 * jax.random.normal(jax.random.key(2), (nranks, n))
+    m2 = 0.05 * jax.random.normal(jax.random.key(3), (nranks, n))
+    st = jax.vmap(lambda a, b: comp.CompensatorState(
+        comp.QuantizedMoment(*comp.quantize_state(a, jnp.int4)),
+        comp.QuantizedMoment(*comp.quantize_state(b, jnp.int4))))(m1, m2)
+    f = jax.jit(jax.vmap(lambda v, s: ej.echo_psum(v, "tp", config=INT4, state=s,
+                                                   rescale=False), axis_name="tp"))
+    y, new = f(x, st)
+    ea, eb, b1, c1, b2, c2 = coefficients(INT4)
+    xps = []
+    for r in range(nranks):
+        a1 = ref_read(codes_of(st.m1.codes[r]), np.asarray(st.m1.scales[r]))
+        a2 = ref_read(codes_of(st.m2.codes[r]), np.asarray(st.m2.scales[r]))
+        xps.append(np.asarray(x[r], F32) + ((ea * a1).astype(F32) + (eb * a2).astype(F32)))
+    _, u = jax.jit(jax.vmap(lambda v: xla_allreduce_local(v, "tp", nranks, INT4),
+                            axis_name="tp"))(jnp.asarray(np.stack(xps)))
+    for r in range(nranks):
+        a1 = ref_read(codes_of(st.m1.codes[r]), np.asarray(st.m1.scales[r]))
+        a2 = ref_read(codes_of(st.m2.codes[r]), np.asarray(st.m2.scales[r]))
+        ur = np.asarray(u[r], F32)
+        for got, m, b, c in ((new.m1, a1, b1, c1), (new.m2, a2, b2, c2)):
+            rq, rs = ref_quantize((b * m).astype(F32) + (c * ur).astype(F32))
+            np.testing.assert_array_equal(codes_of(got.codes[r]), rq)
+            np.testing.assert_array_equal(np.asarray(got.scales[r]).view(np.uint32),
+                                          rs.view(np.uint32))
+    # Every code range is used: the test would see a wrong clip or scale rule.
+    assert np.abs(codes_of(new.m1.codes)).max() == 7
+
+
+def test_the_plan_fuses_it_where_a_wire_group_is_a_state_group():
+    t = transports.CPU
+    rotation, compensation, reasons = transports.call_modes(t, INT4.replace(transport="p2p"),
+                                                            "int4")
+    if "int4" in transports.fused_state_dtypes(t):
+        assert compensation == "fused", reasons
+    rotation, compensation, reasons = transports.call_modes(
+        t, INT4.replace(transport="p2p", group_size=64), "int4")
+    why = ("int4 state needs group_size 128" if "int4" in transports.fused_state_dtypes(t)
+           else "the call takes no int4 state")
+    assert compensation == "jax" and any(why in r for r in reasons), reasons
+
+
+def test_a_scan_over_sites_keeps_the_int4_state():
+    x = jax.random.normal(jax.random.key(4), (2, 8, 64))
+
+    def sites(v):
+        st = ej.init_state(v, INT4)
+
+        def body(carry, _):
+            h, s = carry
+            y, s = ej.echo_psum(h, "tp", config=INT4, state=s)
+            return (0.5 * y, s), None
+
+        (h, s), _ = lax.scan(body, (v, st), None, length=3)
+        return h, s
+
+    h, s = jax.jit(jax.vmap(sites, axis_name="tp"))(x)
+    assert s.m1.codes.dtype == jnp.int4 and s.m1.scales.shape == (2, 4)
+    assert bool(jnp.isfinite(h).all()) and bool((s.m1.scales > 0).all())
+
+
+def test_the_gspmd_helpers_refuse_it_with_the_fix():
+    from echo_jax import gspmd
+    with pytest.raises(ValueError, match=r"state_for: .*'int4'.*use state_dtype='float32'"):
+        gspmd.state_for(jax.ShapeDtypeStruct((4, 8), jnp.float32), axis="tp",
+                        mesh=jax.make_mesh((1,), ("tp",)), config=INT4)
+
+
+def test_a_backward_site_carries_the_int4_state_as_a_cotangent():
+    """Two backward sites with the int4 state: the gradient and the final backward state (in
+    the carrier form) equal, bit for bit, the two compensated all-reduces written out with
+    echo_psum, the state threaded between them in backward order."""
+    from echo_jax import tp
+    x = jax.random.normal(jax.random.key(5), (2, 256))
+
+    def loss(v, st):
+        h, st = tp.backward_site(v, "tp", INT4, st)
+        h2, st = tp.backward_site(jnp.sin(h), "tp", INT4, st)
+        return jnp.sum(h2 ** 2)
+
+    def run(v):
+        return jax.grad(loss, argnums=(0, 1))(v, comp.as_carrier(ej.init_state(v, INT4)))
+
+    def by_hand(v):
+        ct, st = ej.echo_psum(2 * jnp.sin(v), "tp", config=INT4, rescale=True,
+                              state=ej.init_state(v, INT4))
+        return ej.echo_psum(ct * jnp.cos(v), "tp", config=INT4, rescale=True, state=st)
+
+    gx, gs = jax.jit(jax.vmap(run, axis_name="tp"))(x)
+    want_x, want_s = jax.jit(jax.vmap(by_hand, axis_name="tp"))(x)
+    assert gs.m1.codes.dtype == comp.CODES_CARRIER_4
+    gs = comp.from_carrier(gs)
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(want_x))
+    for got, want in ((gs.m1, want_s.m1), (gs.m2, want_s.m2)):
+        np.testing.assert_array_equal(codes_of(got.codes), codes_of(want.codes))
+        np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
