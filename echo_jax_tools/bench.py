@@ -71,7 +71,8 @@ PROGRAM = "echo_jax_tools.bench"
 #: Rows of `bench allreduce`, in the order they are run and printed.
 ROWS = ("psum", "xla8", "xla4", "p2p8", "p2p4", "p2p4-rot", "p2p4-rescale", "p2p4-comp-unfused",
         "p2p4-comp-fused", "p2p4-comp-separate", "p2p4-comp-fused-bf16state",
-        "p2p4-comp-fused-int8state", "p2p4-comp-fused-int8state-local", "p2p4-comp-fused-rot")
+        "p2p4-comp-fused-int8state", "p2p4-comp-fused-int8state-local",
+        "p2p4-comp-fused-int4state-local", "p2p4-comp-fused-rot")
 
 ROW_LABELS = {
     "psum": "lax.psum (16-bit baseline)",
@@ -88,6 +89,8 @@ ROW_LABELS = {
     "p2p4-comp-fused-int8state": "4-bit + compensator fused, int8 state (state_dtype='int8')",
     "p2p4-comp-fused-int8state-local": "4-bit + compensator fused, int8 state, local residual "
                                        "(residual='local')",
+    "p2p4-comp-fused-int4state-local": "4-bit + compensator fused, int4 state, local residual "
+                                       "(state_dtype='int4', residual='local')",
     "p2p4-rot": "4-bit, Hadamard rotation (rotation='hadamard')",
     "p2p4-comp-fused-rot": "4-bit + compensator fused, Hadamard rotation",
 }
@@ -293,6 +296,8 @@ def _configs():
             "comp-int8state": ej.EchoConfig(bits=4, transport="p2p", state_dtype="int8"),
             "comp-int8state-local": ej.EchoConfig(bits=4, transport="p2p", state_dtype="int8",
                                                   residual="local"),
+            "comp-int4state-local": ej.EchoConfig(bits=4, transport="p2p", state_dtype="int4",
+                                                  residual="local"),
             "comp-separate": ej.EchoConfig(bits=4, transport="p2p", state_update="separate"),
             "p2p4-rot": ej.EchoConfig(bits=4, transport="p2p", rotation="hadamard")}
 
@@ -361,6 +366,8 @@ def _mesh_rows(mesh, ranks: int):
     rows["p2p4-comp-fused-int8state"] = (lambda v: f_fused_int8(*v), "int8")
     f_fused_local = wrap(functools.partial(fused_int8, cfg=cfgs["comp-int8state-local"]), 3, 3)
     rows["p2p4-comp-fused-int8state-local"] = (lambda v: f_fused_local(*v), "int8")
+    f_fused_q4 = wrap(functools.partial(fused_int8, cfg=cfgs["comp-int4state-local"]), 3, 3)
+    rows["p2p4-comp-fused-int4state-local"] = (lambda v: f_fused_q4(*v), "int4")
     rows["p2p4-comp-fused-rot"] = (lambda v: f_fused_rot(*v), "float32")
     return rows
 
@@ -410,6 +417,8 @@ def _virtual_rows(ranks: int):
         jax.jit(functools.partial(fused, cfg=wire["comp-int8state"])), "int8")
     rows["p2p4-comp-fused-int8state-local"] = (
         jax.jit(functools.partial(fused, cfg=wire["comp-int8state-local"])), "int8")
+    rows["p2p4-comp-fused-int4state-local"] = (
+        jax.jit(functools.partial(fused, cfg=wire["comp-int4state-local"])), "int4")
     rows["p2p4-comp-fused-rot"] = (jax.jit(functools.partial(fused, cfg=wire["p2p4-rot"])),
                                    "float32")
     return rows
@@ -417,11 +426,11 @@ def _virtual_rows(ranks: int):
 
 @functools.partial(jax.jit, static_argnames=("state_dtype", "flat_scales"))
 def stored_state(m, state_dtype: str, flat_scales: bool = False):
-    """A state average m [P, n] (fp32) in a row's state format: the dtype, or the int8 state's
-    codes [P, n] and scales [P, groups] (`compensator.quantize_state` per rank; with flat_scales
-    [P * groups], a rank's block its [groups], as the mesh rows take them)."""
-    if state_dtype == "int8":
-        codes, scales = jax.vmap(comp.quantize_state)(m)
+    """A state average m [P, n] (fp32) in a row's state format: the dtype, or the int8 / int4
+    state's codes [P, n] and scales [P, groups] (`compensator.quantize_state` per rank; with
+    flat_scales [P * groups], a rank's block its [groups], as the mesh rows take them)."""
+    if state_dtype in ("int8", "int4"):
+        codes, scales = jax.vmap(lambda a: comp.quantize_state(a, state_dtype))(m)
         return comp.QuantizedMoment(codes, scales.reshape(-1) if flat_scales else scales)
     return m.astype(state_dtype)
 
@@ -679,7 +688,8 @@ def byte_floor(row: str, n: int, ranks: int, itemsize: int) -> int:
     per_element = 2 * itemsize + w * (3 * (ranks - 1) / ranks + 1)
     if "comp" in row:
         # int8: a byte a value and a 4-byte scale a 128 values
-        state = 2 if "bf16state" in row else 1 + 4 / 128 if "int8state" in row else 4
+        state = (2 if "bf16state" in row else 1 + 4 / 128 if "int8state" in row
+                 else 0.5 + 4 / 128 if "int4state" in row else 4)
         if row.endswith("-local"):
             # The local residual: m1, m2 read once (where x' is formed) and written once.
             per_element += 4 * state

@@ -173,6 +173,7 @@ MEASURED_COMP_ROWS = {
 #: The same with the local residual (`EchoConfig.residual="local"`, --residual local).
 MEASURED_LOCAL_COMP_ROWS = {
     ("comp-fused", 1.0): "p2p4-comp-fused-int8state-local",
+    ("comp-fused", 0.5): "p2p4-comp-fused-int4state-local",
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -937,14 +938,16 @@ def add_arguments(p) -> None:
     p.add_argument("--p2p-eff", type=wrap(positive), default=None,
                    help="fraction of the link bandwidth Echo's peer stores reach (default: the "
                         "preset's)")
-    p.add_argument("--state-bytes", type=float, choices=(4.0, 2.0, 1.0), default=4.0,
-                   help="compensator state bytes per value: 4 (fp32, default), 2 (bf16) or 1 "
-                        "(int8 codes, plus a 4-byte scale a 128 values); picks the measured "
-                        "compensated rows (MEASURED_COMP_ROWS)")
+    p.add_argument("--state-bytes", type=float, choices=(4.0, 2.0, 1.0, 0.5), default=4.0,
+                   help="compensator state bytes per value: 4 (fp32, default), 2 (bf16), 1 "
+                        "(int8 codes, plus a 4-byte scale a 128 values) or 0.5 (int4 codes, "
+                        "with --residual local); picks the measured compensated rows "
+                        "(MEASURED_COMP_ROWS)")
     p.add_argument("--residual", choices=("output", "local"), default="output",
                    help="the compensator's residual (EchoConfig.residual): output (default) or "
-                        "local, whose measured row is p2p4-comp-fused-int8state-local "
-                        "(with --state-bytes 1)")
+                        "local, whose measured rows are p2p4-comp-fused-int8state-local "
+                        "(with --state-bytes 1) and p2p4-comp-fused-int4state-local "
+                        "(--state-bytes 0.5)")
     p.add_argument("--target-speedup", type=wrap(positive), default=2.0,
                    help="a compensated row's goal against psum: the output says the most the "
                         "row may add over p2p4, measured as it was, to reach it on each machine "

@@ -78,6 +78,9 @@ std::string DTypeName(ffi::DataType t) {
     case ffi::DataType::BF16: return "bfloat16";
     case ffi::DataType::F16: return "float16";
     case ffi::DataType::F64: return "float64";
+    case ffi::DataType::S4: return "int4";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::U8: return "uint8";
     case ffi::DataType::S32: return "int32";
     case ffi::DataType::S64: return "int64";
     case ffi::DataType::PRED: return "bool";

@@ -88,12 +88,32 @@ Error_Type WaitFlag(const WaitSite& w, int peer, int64_t target, const char* sta
 // -------------------------------------------------------------------------------------------
 
 // How the compensator's state is stored (EchoConfig.state_dtype).
-enum class StateFormat { kF32, kBF16, kQ8 };
+enum class StateFormat { kF32, kBF16, kQ8, kQ4 };
+
+// Whether the state is codes with one scale a kStateGroup values (int8 or int4), stored a
+// whole group at a time (StoreStateGroups) because a group's scale depends on all its values.
+inline bool GroupedState(StateFormat f) { return f == StateFormat::kQ8 || f == StateFormat::kQ4; }
+
+// The bytes of an array of n state values: an int4 state packs two codes a byte (XLA's layout
+// of an int4 array, echo::state_q4_at).
+inline size_t StateBytes(StateFormat f, int64_t n) {
+  switch (f) {
+    case StateFormat::kF32:
+      return static_cast<size_t>(n) * 4;
+    case StateFormat::kBF16:
+      return static_cast<size_t>(n) * 2;
+    case StateFormat::kQ8:
+      return static_cast<size_t>(n);
+    default:
+      return static_cast<size_t>((n + 1) / 2);
+  }
+}
 
 // Views of one rank's operands.
 struct RankIO {
   const void* x;     // cfg.dtype: float, or the uint16 bits of a bf16 / fp16
-  const void* m1;    // compensated only: float, the uint16 bits of bf16, or int8 codes (kQ8)
+  const void* m1;    // compensated only: float, the uint16 bits of bf16, int8 codes (kQ8) or
+                     // packed int4 codes (kQ4, two a byte)
   const void* m2;
   void* y;           // cfg.dtype, like x
   void* m1_out;      // m1's dtype; may alias m1 (input_output_aliases)
@@ -101,21 +121,25 @@ struct RankIO {
   float factor;      // the shared power of two of the rescaling (Sec. 5.4); 1 when not rescaled
   float inv_factor;  // 1 / factor (exact: a power of two)
   StateFormat state;
-  // kQ8: the scales of m1, m2 (one a kStateGroup values) and their results (may alias them).
+  // kQ8, kQ4: the scales of m1, m2 (one a kStateGroup values) and their results (may alias
+  // them).
   const float* s1 = nullptr;
   const float* s2 = nullptr;
   float* s1_out = nullptr;
   float* s2_out = nullptr;
 };
 
-// Element k of a state array (m1 or m2, with its scales s for kQ8) in fp32: a bf16 state is
-// widened exactly, an int8 one read back as q * s.
+// Element k of a state array (m1 or m2, with its scales s for kQ8, kQ4) in fp32: a bf16 state
+// is widened exactly, an int8 or int4 one read back as q * s.
 inline float LoadState(const RankIO& io, const void* m, const float* s, int64_t k) {
   switch (io.state) {
     case StateFormat::kBF16:
       return echo::bf16_to_f32(static_cast<const uint16_t*>(m)[k]);
     case StateFormat::kQ8:
       return echo::state_value(static_cast<const int8_t*>(m)[k], s[k / echo::kStateGroup]);
+    case StateFormat::kQ4:
+      return echo::state_value(echo::state_q4_at(static_cast<const uint8_t*>(m), k),
+                               s[k / echo::kStateGroup]);
     default:
       return static_cast<const float*>(m)[k];
   }
@@ -124,8 +148,8 @@ inline float LoadM1(const RankIO& io, int64_t k) { return LoadState(io, io.m1, i
 inline float LoadM2(const RankIO& io, int64_t k) { return LoadState(io, io.m2, io.s2, k); }
 
 // Stores an fp32 state value as element k; a bf16 state rounds to nearest even (the
-// reference's reduce_precision + convert; only the stored state is rounded). Not for kQ8, which
-// stores whole groups (StoreStateGroup).
+// reference's reduce_precision + convert; only the stored state is rounded). Not for kQ8, kQ4,
+// which store whole groups (StoreStateGroup).
 inline void StoreState(const RankIO& io, void* m, int64_t k, float v) {
   if (io.state == StateFormat::kBF16)
     static_cast<uint16_t*>(m)[k] = echo::f32_to_bf16(v);
@@ -145,11 +169,30 @@ inline void StoreStateGroup(void* m, float* s, int64_t k0, const float* v, int c
   s[k0 / echo::kStateGroup] = sc.s;
 }
 
+// As StoreStateGroup for the int4 state: codes in [-7, 7] under the int4 scale, packed two a
+// byte. k0 is even (a multiple of kStateGroup), so the group owns whole bytes; each byte is
+// cleared before its first nibble, so that an odd count's last byte gets a high nibble 0 (as
+// XLA packs an odd-length int4 array) whatever the result buffer held.
+inline void StoreStateGroupQ4(void* m, float* s, int64_t k0, const float* v, int count) {
+  uint32_t amax_bits = 0;
+  for (int t = 0; t < count; ++t)
+    amax_bits = std::max(amax_bits, echo::f32_bits(v[t]) & 0x7FFFFFFFu);
+  const echo::StateScale sc = echo::state_scale_q4_of_bits(amax_bits);
+  uint8_t* packed = static_cast<uint8_t*>(m);
+  for (int t = 0; t < count; ++t) {
+    const int64_t k = k0 + t;
+    if ((k & 1) == 0) packed[k >> 1] = 0;
+    echo::state_q4_put(packed, k, echo::state_code_q4(v[t], sc.inv));
+  }
+  s[k0 / echo::kStateGroup] = sc.s;
+}
+
 // A new state value pair of element k (t-th of its group): kept in the group's buffers for an
-// int8 state (StoreStateGroups stores a group's values, then its scale), else stored now.
+// int8 or int4 state (StoreStateGroups stores a group's values, then its scale), else stored
+// now.
 inline void PutStatePair(const RankIO& io, int64_t k, int t, float n1, float n2,
                          std::vector<float>& new1, std::vector<float>& new2) {
-  if (io.state == StateFormat::kQ8) {
+  if (GroupedState(io.state)) {
     new1[t] = n1;
     new2[t] = n2;
   } else {
@@ -158,14 +201,18 @@ inline void PutStatePair(const RankIO& io, int64_t k, int t, float n1, float n2,
   }
 }
 
-// kQ8: the group's new m1, m2 (count values from element k0), codes and then scales. A wire
-// group is one state group (group_size == kStateGroup, k0 a multiple of it), whose old scale
-// every load of the group has read before.
+// kQ8, kQ4: the group's new m1, m2 (count values from element k0), codes and then scales. A
+// wire group is one state group (group_size == kStateGroup, k0 a multiple of it), whose old
+// scale every load of the group has read before.
 inline void StoreStateGroups(const RankIO& io, int64_t k0, const std::vector<float>& new1,
                              const std::vector<float>& new2, int count) {
-  if (io.state != StateFormat::kQ8) return;
-  StoreStateGroup(io.m1_out, io.s1_out, k0, new1.data(), count);
-  StoreStateGroup(io.m2_out, io.s2_out, k0, new2.data(), count);
+  if (io.state == StateFormat::kQ8) {
+    StoreStateGroup(io.m1_out, io.s1_out, k0, new1.data(), count);
+    StoreStateGroup(io.m2_out, io.s2_out, k0, new2.data(), count);
+  } else if (io.state == StateFormat::kQ4) {
+    StoreStateGroupQ4(io.m1_out, io.s1_out, k0, new1.data(), count);
+    StoreStateGroupQ4(io.m2_out, io.s2_out, k0, new2.data(), count);
+  }
 }
 
 // The local residual's update (cfg.residual_local, EchoConfig.residual = "local") of the wire
@@ -180,8 +227,8 @@ inline void UpdateLocalGroup(const CallConfig& cfg, const RankIO& io, int64_t k0
                              const float* dec) {
   if (k0 >= cfg.n) return;
   const int count = static_cast<int>(std::min<int64_t>(cfg.group_size, cfg.n - k0));
-  thread_local std::vector<float> new1, new2;  // kQ8: the group's updated m1, m2
-  if (io.state == StateFormat::kQ8) {
+  thread_local std::vector<float> new1, new2;  // kQ8, kQ4: the group's updated m1, m2
+  if (GroupedState(io.state)) {
     new1.resize(cfg.group_size);
     new2.resize(cfg.group_size);
   }
@@ -294,8 +341,8 @@ void FinishSegment(const CallConfig& cfg, const RankIO& io, int64_t seg, uint8_t
   const uint16_t* params = SlotParams(slot);
   const uint8_t* codes = SlotCodes(cfg, slot);
   const bool update = cfg.update && !cfg.residual_local;  // u = x' - y / P (Eq. 4)
-  thread_local std::vector<float> new1, new2;  // kQ8: a group's updated m1, m2
-  if (update && io.state == StateFormat::kQ8) {
+  thread_local std::vector<float> new1, new2;  // kQ8, kQ4: a group's updated m1, m2
+  if (update && GroupedState(io.state)) {
     new1.resize(g);
     new2.resize(g);
   }
@@ -345,11 +392,10 @@ Error_Type RunProtocol(const CallConfig& cfg, const Coords& c, Workspace& ws, co
   if (cfg.absent_rank == me) {  // test hook: behave like a peer that never arrives
     std::memset(io.y, 0, static_cast<size_t>(cfg.n) * ElementBytes(cfg.dtype));  // +0 in any dtype
     if (cfg.update) {
-      const size_t bytes = static_cast<size_t>(cfg.n) *
-                           (io.state == StateFormat::kF32 ? 4 : io.state == StateFormat::kBF16 ? 2 : 1);
+      const size_t bytes = StateBytes(io.state, cfg.n);
       if (io.m1_out != io.m1) std::memcpy(io.m1_out, io.m1, bytes);
       if (io.m2_out != io.m2) std::memcpy(io.m2_out, io.m2, bytes);
-      if (io.state == StateFormat::kQ8) {
+      if (GroupedState(io.state)) {
         const size_t scale_bytes = static_cast<size_t>(
             (cfg.n + echo::kStateGroup - 1) / echo::kStateGroup) * sizeof(float);
         if (io.s1_out != io.s1) std::memcpy(io.s1_out, io.s1, scale_bytes);

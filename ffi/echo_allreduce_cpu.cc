@@ -404,9 +404,12 @@ ffi::ErrorOr<Job> PrepareAllReduceCompensated(int32_t device_ordinal, ffi::RunId
                     st == ffi::DataType::BF16 ? StateFormat::kBF16 : StateFormat::kF32}};
 }
 
-// The compensated call with the int8 state (EchoConfig.state_dtype = "int8"): m1, m2 are int8
-// codes with fp32 scales s1, s2 (one a kStateGroup values), all updated in place. A wire group
-// is one state group: group_size must be kStateGroup (echo_jax.transports.call_modes plans it so).
+// The compensated call with the int8 or int4 state (EchoConfig.state_dtype = "int8" / "int4"):
+// m1, m2 are int8 codes (S8) or int4 codes (S4: XLA packs them two a byte, element 2i in the low
+// nibble of byte i, and the FFI buffer counts elements, not bytes) with fp32 scales s1, s2 (one a
+// kStateGroup values), all updated in place. One target for both: they differ only in how a
+// group is stored, so the codes' element type picks the format at run time. A wire group is one
+// state group: group_size must be kStateGroup (echo_jax.transports.call_modes plans it so).
 ffi::ErrorOr<Job> PrepareAllReduceCompensatedQ8(int32_t device_ordinal, ffi::RunId run_id,
                                                 Buffer_Type x, Buffer_Type m1, Buffer_Type s1,
                                                 Buffer_Type m2, Buffer_Type s2,
@@ -417,29 +420,44 @@ ffi::ErrorOr<Job> PrepareAllReduceCompensatedQ8(int32_t device_ordinal, ffi::Run
   ECHO_FFI_RETURN_IF_ERROR(CheckContribution(x, y));
   const int64_t n = static_cast<int64_t>(x.element_count());
   const int64_t groups = (n + echo::kStateGroup - 1) / echo::kStateGroup;
+  const ffi::DataType code_type = m1.element_type();
+  ECHO_FFI_CHECK(code_type == ffi::DataType::S8 || code_type == ffi::DataType::S4, kWhere,
+                 "the quantized state's m1 codes must be int8 (EchoConfig.state_dtype='int8') or "
+                 "int4 (state_dtype='int4'), got ", DTypeName(code_type),
+                 "; use echo_jax.init_state(x, config)");
+  const bool q4 = code_type == ffi::DataType::S4;
+  const char* state_name = q4 ? "int4" : "int8";
   for (const auto& [name, codes, scales] :
-       {std::tuple{"m1", &m1, &s1}, std::tuple{"m2", &m2, &s2}}) {
-    ECHO_FFI_CHECK(codes->element_type() == ffi::DataType::S8 &&
+       {std::tuple{"m1", &m1, &s1}, std::tuple{"m2", &m2, &s2},
+        std::tuple{"m1 result", &*m1_out, &*s1_out},
+        std::tuple{"m2 result", &*m2_out, &*s2_out}}) {
+    // m1 and m2 are read and stored in one format: an int8 m2 beside int4 m1 codes (or the
+    // reverse) is two states mixed up, not a format this call could pick.
+    ECHO_FFI_CHECK(codes->element_type() == code_type &&
                        scales->element_type() == ffi::DataType::F32,
-                   kWhere, "the int8 state's ", name, " must be int8 codes with float32 scales, "
-                   "got dtype codes ", static_cast<int>(codes->element_type()), " / ",
-                   static_cast<int>(scales->element_type()));
+                   kWhere, "the ", state_name, " state's ", name, " must be ", state_name,
+                   " codes (as m1's) with float32 scales, got ",
+                   DTypeName(codes->element_type()), " codes and ",
+                   DTypeName(scales->element_type()), " scales; m1 and m2 must both come "
+                   "from echo_jax.init_state(x, config) with one EchoConfig.state_dtype");
     ECHO_FFI_CHECK(static_cast<int64_t>(codes->element_count()) == n &&
                        static_cast<int64_t>(scales->element_count()) == groups,
-                   kWhere, "the int8 state's ", name, " has ", codes->element_count(),
-                   " codes and ", scales->element_count(), " scales; the contribution of ", n,
-                   " values needs ", n, " and ", groups, "; use echo_jax.init_state(x, config)");
+                   kWhere, "the ", state_name, " state's ", name, " has ",
+                   codes->element_count(), " codes and ", scales->element_count(),
+                   " scales; the contribution of ", n, " values needs ", n, " and ", groups,
+                   "; use echo_jax.init_state(x, config)");
   }
   ECHO_FFI_ASSIGN_OR_RETURN(
       CallConfig cfg, ParseConfig(attrs, n, x.element_type(), /*compensated=*/true, true));
-  ECHO_FFI_CHECK(cfg.group_size == echo::kStateGroup, kWhere, "the int8 state needs "
+  ECHO_FFI_CHECK(cfg.group_size == echo::kStateGroup, kWhere, "the ", state_name, " state needs "
                  "group_size ", echo::kStateGroup, " (one wire group a state group), got ",
                  cfg.group_size);
   ECHO_FFI_ASSIGN_OR_RETURN(Coords c, ReadCoords(coords, device_ordinal, run_id, cfg.num_ranks));
   ECHO_FFI_RETURN_IF_ERROR(DebugFailValidation(cfg, c));
   ECHO_FFI_ASSIGN_OR_RETURN(float f, ReadFactor(factor));
   RankIO io{x.untyped_data(), m1.untyped_data(), m2.untyped_data(), y->untyped_data(),
-            m1_out->untyped_data(), m2_out->untyped_data(), f, 1.0f / f, StateFormat::kQ8};
+            m1_out->untyped_data(), m2_out->untyped_data(), f, 1.0f / f,
+            q4 ? StateFormat::kQ4 : StateFormat::kQ8};
   io.s1 = s1.typed_data<float>();
   io.s2 = s2.typed_data<float>();
   io.s1_out = s1_out->typed_data<float>();
@@ -529,8 +547,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(echo_allreduce_cpu, echo::cpu::EchoAllReduceCpuImp
 XLA_FFI_DEFINE_HANDLER_SYMBOL(echo_allreduce_comp_cpu, echo::cpu::EchoAllReduceCompCpuImpl,
                               echo::cpu::BindCpuCall<echo::CallState::kCompensated>());
 
-// echo_allreduce_comp_q8_cpu (platform "cpu"): the compensated call with the int8 state (its
-// codes and scales in place); the compensated call's attributes, group_size 128.
+// echo_allreduce_comp_q8_cpu (platform "cpu"): the compensated call with the int8 or int4
+// state (its codes, int8 or int4 by their element type, and scales in place); the compensated
+// call's attributes, group_size 128.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(echo_allreduce_comp_q8_cpu, echo::cpu::EchoAllReduceCompQ8CpuImpl,
                               echo::cpu::BindCpuCall<echo::CallState::kCompensatedQ8>());
 

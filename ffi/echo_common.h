@@ -488,6 +488,49 @@ ECHO_HD int8_t state_code(float v, float inv) {
 // A stored value: q * s (exact).
 ECHO_HD float state_value(int8_t q, float s) { return mul_rn(static_cast<float>(q), s); }
 
+// The int4 state (EchoConfig.state_dtype = "int4"; the same compensator.py functions are the
+// definition): as the int8 state with codes in [-7, 7] and
+//   s = the smallest power of two with 7 s >= max|v|,
+// the same 2^-100 and non-finite rules. The codes are packed two a byte, as two's complement
+// nibbles, the value of even element 2i in the low nibble of byte i and of 2i + 1 in the high one
+// (the wire's order, unpack_code); an odd count leaves the last byte's high nibble 0. Why 4 bits:
+// with the local residual (EchoConfig.residual = "local") each rank's residual is error-scale,
+// and its 4-bit rounding is a second-order term next to the wire's 4-bit error, while the
+// state's bytes are most of what the compensated call moves beyond the plain one on one GPU.
+constexpr int kStateQ4Max = 7;
+
+// As state_scale_of_bits, with 7 in place of 127.
+ECHO_HD StateScale state_scale_q4_of_bits(uint32_t amax_bits) {
+  if (amax_bits >= 0x7F800000u) return {f32_from_bits(amax_bits), 0.0f};  // inf or NaN
+  if (amax_bits < (27u << 23)) return {0.0f, 0.0f};                        // below 2^-100
+  // 7 * 2^(E-2) = 1.75 * 2^E: max|v|'s exponent field with the mantissa of 7 / 4.
+  const bool fits = amax_bits <= ((amax_bits & 0x7F800000u) | 0x00600000u);
+  const uint32_t e = (amax_bits >> 23) - (fits ? 2u : 1u);  // s's biased exponent
+  return {f32_from_bits(e << 23), f32_from_bits((254u - e) << 23)};
+}
+
+// The int4 code of v under the inverse scale inv (|v * inv| <= 7, or NaN), as state_code.
+ECHO_HD int8_t state_code_q4(float v, float inv) {
+  const float p = mul_rn(v, inv);
+  if (p != p) return 0;
+  return static_cast<int8_t>(clip_f(rne(p), -7.0f, 7.0f));
+}
+
+// Code k of packed int4 codes, sign-extended from its nibble.
+ECHO_HD int8_t state_q4_at(const uint8_t* packed, int64_t k) {
+  const uint8_t byte = packed[k >> 1];
+  const int nib = (k & 1) ? (byte >> 4) : (byte & 0x0F);
+  return static_cast<int8_t>(nib >= 8 ? nib - 16 : nib);
+}
+
+// Stores code q (in [-7, 7]) as element k of packed int4 codes, keeping the other nibble.
+ECHO_HD void state_q4_put(uint8_t* packed, int64_t k, int8_t q) {
+  const uint8_t nib = static_cast<uint8_t>(q) & 0x0F;
+  uint8_t& byte = packed[k >> 1];
+  byte = (k & 1) ? static_cast<uint8_t>((byte & 0x0F) | (nib << 4))
+                 : static_cast<uint8_t>((byte & 0xF0) | nib);
+}
+
 // ----------------------------------------------------------------------------------------------
 // The randomized block Hadamard rotation (EchoConfig.rotation = "hadamard"; echo_jax/rotation.py
 // is the definition, these are its bit-exact C++ form). A group of g values (g a power of two) is

@@ -34,7 +34,7 @@ ffi::ErrorOr<int> stream_device(cudaStream_t stream) {
   return device;
 }
 
-// The int8 state's scales (EchoConfig.state_dtype = "int8"): the operands s1, s2 of m1, m2 and
+// The int8 / int4 state's scales (EchoConfig.state_dtype = "int8" / "int4"): the operands s1, s2 of m1, m2 and
 // their results (updated in place), f32, one a kStateGroup values of each rank's n.
 struct StateScales {
   ffi::AnyBuffer s1, s2;
@@ -44,32 +44,56 @@ struct StateScales {
 
 int64_t state_groups(int64_t n) { return (n + kStateGroup - 1) / kStateGroup; }
 
-// The int8 state: m1, m2 int8 codes with x's element count, s1, s2 their scales; sets
+// The quantized state's name in messages ("int8" or "int4").
+const char* state_name(const CallAttrs& at) { return at.state_q4 ? "int4" : "int8"; }
+
+// Bytes of a state buffer: XLA packs int4 (S4) two a byte (the FFI's size_bytes counts a byte
+// an element for it).
+size_t state_bytes(const ffi::AnyBuffer& m) {
+  if (m.element_type() == ffi::DataType::S4) return (m.element_count() + 1) / 2;
+  return m.size_bytes();
+}
+
+// The quantized state: m1, m2 int8 codes, or int4 codes (EchoConfig.state_dtype = "int4", XLA's
+// S4: packed two a byte, element 2i in the low nibble of byte i; sets at.state_q4 too; the
+// local residual only), both of one type with x's element count, s1, s2 their scales; sets
 // at.state_q8.
 ffi::Error check_q8_state(const ffi::AnyBuffer& x, const ffi::AnyBuffer& m1,
                           const ffi::AnyBuffer& m2, const StateScales& q, int64_t rows,
                           CallAttrs& at) {
   const int64_t groups = rows * state_groups(static_cast<int64_t>(x.element_count()) / rows);
+  const ffi::DataType t1 = m1.element_type(), t2 = m2.element_type();
+  if (t1 != t2 || (t1 != ffi::DataType::S8 && t1 != ffi::DataType::S4))
+    return ffi::Error::InvalidArgument(
+        "echo_jax p2p (CUDA): the quantized state's codes m1, m2 must be both int8 or both int4 "
+        "(EchoConfig.state_dtype), got dtype codes " + std::to_string(static_cast<int>(t1)) +
+        " and " + std::to_string(static_cast<int>(t2)));
+  at.state_q4 = t1 == ffi::DataType::S4;
   for (const ffi::AnyBuffer* m : {&m1, &m2})
-    if (m->element_type() != ffi::DataType::S8 || m->element_count() != x.element_count())
+    if (m->element_count() != x.element_count())
       return ffi::Error::InvalidArgument(
-          "echo_jax p2p (CUDA): the int8 state's codes must be int8 with x's " +
-          std::to_string(x.element_count()) + " elements, got dtype code " +
-          std::to_string(static_cast<int>(m->element_type())) + " and " +
-          std::to_string(m->element_count()) + " elements");
+          std::string("echo_jax p2p (CUDA): the ") + state_name(at) + " state's codes must have "
+          "x's " + std::to_string(x.element_count()) + " elements, got " +
+          std::to_string(m->element_count()));
   for (const ffi::AnyBuffer* s : {&q.s1, &q.s2})
     if (s->element_type() != ffi::DataType::F32 ||
         static_cast<int64_t>(s->element_count()) != groups)
       return ffi::Error::InvalidArgument(
-          "echo_jax p2p (CUDA): the int8 state's scales must be float32, " +
-          std::to_string(groups) + " of them (one a " + std::to_string(kStateGroup) +
-          " values), got " + std::to_string(s->element_count()));
+          std::string("echo_jax p2p (CUDA): the ") + state_name(at) + " state's scales must be "
+          "float32, " + std::to_string(groups) + " of them (one a " +
+          std::to_string(kStateGroup) + " values), got " + std::to_string(s->element_count()));
+  if (at.state_q4 && !at.residual_local)
+    return ffi::Error::InvalidArgument(
+        "echo_jax p2p (CUDA): the int4 state runs with residual='local' only (attribute "
+        "residual_local = 1); with residual='output' the compensation runs in JAX around the "
+        "plain call, or use state_dtype='int8'");
   at.state_q8 = true;
   return ffi::Error::Success();
 }
 
 // The compensated call's state: m1, m2 both fp32 or both bf16 (EchoConfig.state_dtype), each
-// with x's element count; sets at.state_bf16; or the int8 state (q given: check_q8_state).
+// with x's element count; sets at.state_bf16; or the int8 / int4 state (q given:
+// check_q8_state).
 // Nothing to check without a state.
 ffi::Error check_state(const ffi::AnyBuffer& x, const std::optional<ffi::AnyBuffer>& m1,
                        const std::optional<ffi::AnyBuffer>& m2, CallAttrs& at,
@@ -173,8 +197,8 @@ ffi::Error RankImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi::An
   void* pm1 = at.update || !m1.has_value() ? m1_out : m1->untyped_data();  // read-only if applied
   void* pm2 = at.update || !m1.has_value() ? m2_out : m2->untyped_data();
   if (at.update && m1_out != m1->untyped_data()) {  // no aliasing: start from the inputs
-    cudaMemcpyAsync(m1_out, m1->untyped_data(), m1->size_bytes(), cudaMemcpyDeviceToDevice, stream);
-    cudaMemcpyAsync(m2_out, m2->untyped_data(), m2->size_bytes(), cudaMemcpyDeviceToDevice, stream);
+    cudaMemcpyAsync(m1_out, m1->untyped_data(), state_bytes(*m1), cudaMemcpyDeviceToDevice, stream);
+    cudaMemcpyAsync(m2_out, m2->untyped_data(), state_bytes(*m2), cudaMemcpyDeviceToDevice, stream);
   }
   if (q != nullptr) use_q8_scales(*q, stream, at);
   if (m1.has_value())
@@ -202,6 +226,10 @@ ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi:
   if (dev.has_error()) return dev.error();
   const int device = dev.value();
   const int64_t n = dims[1];
+  if (at.state_q4 && n % 32 != 0)  // a row's packed codes at byte r n / 2, 16-byte aligned
+    return ffi::Error::InvalidArgument(
+        "echo_jax p2p (CUDA, virtual ranks): the int4 state needs rows of a multiple of 32 "
+        "values (each row's packed codes 16-byte aligned), got n = " + std::to_string(n));
   Group* grp = get_group("virtual:" + std::to_string(device) + ":" + std::to_string(at.P));
   {
     std::lock_guard<std::mutex> lock(grp->mu);
@@ -233,22 +261,24 @@ ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi:
     if (err.failure()) return err;
   }
   const size_t esize = ffi::ByteWidth(x.element_type());
-  const size_t ssize = at.state_q8 ? 1 : at.state_bf16 ? 2 : 4;  // bytes of a state value
+  // Bytes of a state row (int4: n / 2, n even above).
+  const int64_t row_state_bytes =
+      at.state_q4 ? n / 2 : n * (at.state_q8 ? 1 : at.state_bf16 ? 2 : 4);
   at.update = m1_out != nullptr;  // with a state and no results: the applied call, m1, m2 read
   if (m1.has_value() && !at.update) {
     m1_out = m1->untyped_data();
     m2_out = m2->untyped_data();
   }
   if (at.update && m1_out != m1->untyped_data()) {
-    cudaMemcpyAsync(m1_out, m1->untyped_data(), m1->size_bytes(), cudaMemcpyDeviceToDevice, stream);
-    cudaMemcpyAsync(m2_out, m2->untyped_data(), m2->size_bytes(), cudaMemcpyDeviceToDevice, stream);
+    cudaMemcpyAsync(m1_out, m1->untyped_data(), state_bytes(*m1), cudaMemcpyDeviceToDevice, stream);
+    cudaMemcpyAsync(m2_out, m2->untyped_data(), state_bytes(*m2), cudaMemcpyDeviceToDevice, stream);
   }
   if (q != nullptr) use_q8_scales(*q, stream, at);
   // One kernel for every rank (see run_rank): the fast stages only when every row is aligned.
   const bool fast_ok = aligned16(x.untyped_data()) && aligned16(y->untyped_data()) &&
                        (n * esize) % 16 == 0 &&
                        (!m1.has_value() || (aligned16(m1_out) && aligned16(m2_out) &&
-                                            (n * ssize) % 16 == 0));
+                                            row_state_bytes % 16 == 0));
   ECHO_CUDA_RETURN(cudaEventRecord(grp->fork, stream), "fork event");
   for (int r = 0; r < at.P; ++r) {
     if (r == absent_rank) {  // test hook: this rank never arrives; its peers must time out
@@ -258,15 +288,16 @@ ffi::Error VirtualImpl(cudaStream_t stream, ffi::AnyBuffer x, std::optional<ffi:
     ECHO_CUDA_RETURN(cudaStreamWaitEvent(grp->streams[r], grp->fork, 0), "fork wait");
     const char* xr = static_cast<const char*>(x.untyped_data()) + r * n * esize;
     char* yr = static_cast<char*>(y->untyped_data()) + r * n * esize;
-    CallAttrs ar = at;  // the int8 state: rank r's row of scales
+    CallAttrs ar = at;  // the int8 / int4 state: rank r's row of scales
     if (q != nullptr) {
       ar.s1 = at.s1 + r * state_groups(n);
       ar.s2 = at.s2 + r * state_groups(n);
     }
     if (m1.has_value())
       err = run_rank_dtype<true>(x.element_type(), *grp, r, grp->streams[r], ar, xr, yr,
-                                 static_cast<char*>(m1_out) + r * n * ssize,
-                                 static_cast<char*>(m2_out) + r * n * ssize, n, at.P, fast_ok);
+                                 static_cast<char*>(m1_out) + r * row_state_bytes,
+                                 static_cast<char*>(m2_out) + r * row_state_bytes, n, at.P,
+                                 fast_ok);
     else
       err = run_rank_dtype<false>(x.element_type(), *grp, r, grp->streams[r], at, xr, yr, nullptr,
                                   nullptr, n, at.P, fast_ok);

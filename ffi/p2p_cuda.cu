@@ -16,7 +16,8 @@
 // is fp32 or bf16 (EchoConfig.state_dtype; KernelArgs::state_bf16): a bf16 m1, m2 is widened on
 // load and the fp32 update rounded to nearest even on store, the bits of echo_jax.compensator;
 // or int8 codes with a scale a 128 values (the fast stages with g = 128 only): read as code times
-// scale, and a group's scale and codes set where its new values are (FastStages::kStateQ8).
+// scale, and a group's scale and codes set where its new values are (FastStages::kStateQ8); or
+// int4 codes packed two a byte, the same way, with the local residual only (kStateQ4).
 // The rescaling's factor (Sec. 5.4; an f32[1] operand, 1 when not rescaled) multiplies x' in the
 // entry loads and divides y before its store and the state update (exact powers of two).
 // The Hadamard rotation (attribute rotate = 1; EchoConfig.rotation = "hadamard") rotates every
@@ -129,8 +130,9 @@ ffi::Error compensated_call(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
                      m1_out->untyped_data(), m2_out->untyped_data());
 }
 
-// The compensated call with the int8 state (EchoConfig.state_dtype = "int8"): m1, m2 are int8
-// codes with the f32 scales s1, s2, all four updated in place.
+// The compensated call with the int8 or int4 state (EchoConfig.state_dtype = "int8" / "int4",
+// told apart by the codes' element type, S8 / S4; the int4 state with the local residual only):
+// m1, m2 are the codes with the f32 scales s1, s2, all four updated in place.
 template <Ranks R>
 ffi::Error compensated_q8_call(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer m1,
                                ffi::AnyBuffer s1, ffi::AnyBuffer m2, ffi::AnyBuffer s2,

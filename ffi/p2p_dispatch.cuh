@@ -56,32 +56,34 @@ ffi::Error run_rank(Group& grp, int rank, cudaStream_t stream, const CallAttrs& 
     kernel = fast_kernel_of<T>(at, COMP);  // compiled in its own unit (p2p_instances.cuh)
   }
   if (at.residual_local && (!at.state_q8 || kernel == nullptr)) {
-    // The local residual is formed where the fast int8-state stages quantize; the generic
-    // stages and the other states' instances have no such update.
+    // The local residual is formed where the fast int8 / int4-state stages quantize; the
+    // generic stages and the other states' instances have no such update.
     return ffi::Error::InvalidArgument(
         "echo_jax p2p (CUDA): the local residual (attribute residual_local = 1, "
-        "EchoConfig.residual='local') runs in the fast stages with the int8 state only: "
-        "state_dtype='int8', group_size " + std::to_string(kStateGroup) + ", rotation 'none', "
-        "16-byte aligned x, y, m1, m2 and ECHO_JAX_GENERIC_QUANT unset; got group_size " +
-        std::to_string(at.g) + (at.state_q8 ? "" : " and a float state") +
+        "EchoConfig.residual='local') runs in the fast stages with the int8 or int4 state only: "
+        "state_dtype='int8' or 'int4', group_size " + std::to_string(kStateGroup) +
+        ", rotation 'none', 16-byte aligned x, y, m1, m2 and ECHO_JAX_GENERIC_QUANT unset; got "
+        "group_size " + std::to_string(at.g) + (at.state_q8 ? "" : " and a float state") +
         " (use residual='output' otherwise)");
   }
   if (ECHO_P2P_FOLD_STATE_SCALE && at.state_q8 && !state_coefficients_fold(at.k)) {
-    // EchoConfig refuses such coefficients with the int8 state first (state_dtype's docs).
+    // EchoConfig refuses such coefficients with the quantized states first (state_dtype's docs).
     return ffi::Error::InvalidArgument(
-        "echo_jax p2p (CUDA): the int8 state needs each of eta * blend, eta * (1 - blend), "
+        std::string("echo_jax p2p (CUDA): the ") + (at.state_q4 ? "int4" : "int8") +
+        " state needs each of eta * blend, eta * (1 - blend), "
         "beta1 and beta2 to be 0 or at least 2^-20 (they multiply the state's scales exactly); "
         "got " + std::to_string(at.k.ea) + ", " + std::to_string(at.k.eb) + ", " +
         std::to_string(at.k.b1) + ", " + std::to_string(at.k.b2) +
         " (use state_dtype='bfloat16' otherwise)");
   }
-  if (kernel == nullptr && at.state_q8) {  // the generic stages take no int8 state
+  if (kernel == nullptr && at.state_q8) {  // the generic stages take no int8 / int4 state
     return ffi::Error::InvalidArgument(
-        "echo_jax p2p (CUDA): the int8 state runs in the fast stages only: group_size " +
-        std::to_string(kStateGroup) + ", the update in the call, 16-byte aligned x, y, m1, m2 "
-        "(virtual ranks: a row of n values with n a multiple of 16) and ECHO_JAX_GENERIC_QUANT "
-        "unset; got group_size " + std::to_string(at.g) + " (use state_dtype='bfloat16' "
-        "otherwise)");
+        std::string("echo_jax p2p (CUDA): the ") + (at.state_q4 ? "int4" : "int8") +
+        " state runs in the fast stages only: group_size " + std::to_string(kStateGroup) +
+        ", the update in the call, 16-byte aligned x, y, m1, m2 (virtual ranks: a row of n "
+        "values with n a multiple of " + (at.state_q4 ? "32" : "16") + ") and "
+        "ECHO_JAX_GENERIC_QUANT unset; got group_size " + std::to_string(at.g) +
+        " (use state_dtype='bfloat16' otherwise)");
   }
   if (kernel == nullptr) {
     if constexpr (COMP)

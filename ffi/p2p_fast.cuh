@@ -30,7 +30,8 @@ namespace {
 // ROT: the Hadamard rotation of every group after the entry loads and before the output stores,
 // in registers and shuffles (quant_fast.cuh), the sign masks of the lanes in shared memory.
 // S: the compensator state's element type (float, __nv_bfloat16, or int8_t for the int8 state:
-// codes with one scale a kStateGroup values, KernelArgs::s1 / s2; float when !COMP), a template
+// codes with one scale a kStateGroup values, KernelArgs::s1 / s2; uint8_t for the int4 state:
+// the same with 4-bit codes packed two a byte, local residual only; float when !COMP), a template
 // parameter rather than KernelArgs::state_bf16: the run-time branch kept both paths' live ranges
 // (the rotated fp32 compensated instance 64 -> 80 registers, g = 128, sm_90a), and with it the
 // bf16 state was not faster than the fp32 one; as a template parameter it is.
@@ -38,7 +39,7 @@ namespace {
 // (EchoConfig.state_update = "separate": the apply step alone, m1 and m2 only read). A template
 // parameter: as a run-time flag (a uniform branch) it raised the compensated instances'
 // registers (64 -> 79-90, 80 -> 89-95, ptxas sm_90a); the generic stages take it likewise.
-// LOCAL (the int8 state, unrotated): the averages take this rank's local rounding errors
+// LOCAL (the int8 or int4 state, unrotated): the averages take this rank's local rounding errors
 // (EchoConfig.residual = "local", echo_jax.transports.xla.xla_allreduce_local), updated where
 // they are made: the push updates the state of the segments it sends from x' - Q(x') (push_local),
 // the reduce the own segment's from s - Q(s), and the tail only stores y. Why: the update where
@@ -59,7 +60,11 @@ struct FastStages {
   // The int8 state: one load a lane too, so that a lane's piece is its whole share of the group
   // whose scale it helps to set (store_state_pair).
   static constexpr bool kStateQ8 = std::is_same_v<S, int8_t>;
-  static constexpr int kLoadsPerLane = (sizeof(T) == 2 && COMP) || kStateQ8 ? 1 : 2;
+  // The int4 state (S = uint8_t: codes packed two a byte, echo_common.h state_q4_at): as the
+  // int8 one wherever kStateQ, its codes' words half as wide (CodeWord), the local residual only.
+  static constexpr bool kStateQ4 = std::is_same_v<S, uint8_t>;
+  static constexpr bool kStateQ = kStateQ8 || kStateQ4;
+  static constexpr int kLoadsPerLane = (sizeof(T) == 2 && COMP) || kStateQ ? 1 : 2;
   using L = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, kLoadsPerLane>()>;
   static constexpr int kVec = L::kVec, kLanes = L::kLanes, kLoads = L::kLoads;
   static constexpr int kGpw = L::kGroupsPerWarp;
@@ -70,7 +75,7 @@ struct FastStages {
   // unrotated 16-bit ones (_APPLIED_16) and the int8 state's fp32-x and rotated ones (_Q8);
   // 1: no bound.
   static constexpr int kMinBlocks =
-      COMP ? (kStateQ8 ? (!ROT && sizeof(T) == 2 ? (LOCAL ? ECHO_P2P_MIN_BLOCKS_LOCAL_16 : 1)
+      COMP ? (kStateQ ? (!ROT && sizeof(T) == 2 ? (LOCAL ? ECHO_P2P_MIN_BLOCKS_LOCAL_16 : 1)
                                                  : ECHO_P2P_MIN_BLOCKS_Q8)
               : !UPDATE && !ROT && sizeof(T) == 2 ? ECHO_P2P_MIN_BLOCKS_APPLIED_16 : 1)
       : ROT ? (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_ROT_32 : ECHO_P2P_MIN_BLOCKS_ROT_16)
@@ -103,12 +108,13 @@ struct FastStages {
   }
 
   static constexpr bool kStateBf16 = std::is_same_v<S, __nv_bfloat16>;
-  static_assert(kStateBf16 || kStateQ8 || std::is_same_v<S, float>,
-                "the state is float, bfloat16 or int8");
+  static_assert(kStateBf16 || kStateQ || std::is_same_v<S, float>,
+                "the state is float, bfloat16, int8 or packed int4 (uint8_t)");
   // A wire group is one state group, and the scale is set where the group is updated.
-  static_assert(!kStateQ8 || (COMP && UPDATE && G == kStateGroup && kLoads == 1),
-                "the int8 state: the compensated call, g = kStateGroup, one piece a lane");
-  static_assert(!LOCAL || (kStateQ8 && !ROT), "the local residual: the int8 state, unrotated");
+  static_assert(!kStateQ || (COMP && UPDATE && G == kStateGroup && kLoads == 1),
+                "the int8 / int4 state: the compensated call, g = kStateGroup, one piece a lane");
+  static_assert(!LOCAL || (kStateQ && !ROT), "the local residual: the int8 / int4 state, unrotated");
+  static_assert(!kStateQ4 || LOCAL, "the int4 state: the local residual only");
 
   // kVec values of m (m1 or m2; s its scales for the int8 state) at element e as fp32; 0 past
   // n. A bf16 state (kVec * 2 bytes: one 8- or 16-byte access) is widened exactly; an int8 one
@@ -119,6 +125,8 @@ struct FastStages {
       load_vec<__nv_bfloat16, kVec>(static_cast<const __nv_bfloat16*>(m), e, a.n, v);
     else if constexpr (kStateQ8)
       load_state_q8(static_cast<const int8_t*>(m), s, e, a.n, v);
+    else if constexpr (kStateQ4)
+      load_state_q4(static_cast<const uint8_t*>(m), s, e, a.n, v);
     else
       load_state_f32(static_cast<const float*>(m), e, a.n, v);
   }
@@ -128,9 +136,12 @@ struct FastStages {
   __device__ static void load_m2(const KernelArgs& a, int64_t e, float* v) {
     load_state(a, a.m2, a.s2, e, v);
   }
-  // kVec int8 codes as kVec / 4 words (one 4- or 8-byte access; e is a multiple of kVec).
+  // kVec int8 codes as kVec / 4 words (one 4- or 8-byte access; e is a multiple of kVec); kVec
+  // int4 codes as one 2- or 4-byte word at byte e / 2 (e is even: a lane's piece is whole bytes).
   static constexpr int kCodeWords = kVec / 4;
-  using CodeWord = std::conditional_t<kVec == 8, uint2, uint32_t>;
+  using CodeWord = std::conditional_t<
+      kStateQ4, std::conditional_t<kVec == 8, uint32_t, uint16_t>,
+      std::conditional_t<kVec == 8, uint2, uint32_t>>;
   // The conversions run on the fp32 pipe (the conversion unit has a quarter of its rate), a
   // whole piece at a time, without a test per value: per value, in the full pieces (every piece
   // but the last of a row), a code costs a byte permute, an add and a multiply, a new value a
@@ -182,6 +193,79 @@ struct FastStages {
       for (int t = 0; t < kVec; ++t) v[t] = e + t < n ? v[t] : 0.0f;
     }
   }
+  // The int4 state's conversions (kStateQ4), the same fp32-pipe forms on nibbles, kVec codes a
+  // word (element t at bits 4t). Code to value: nibble k ^ 8 = q + 8 under the exponent of 2^23
+  // is the float 2^23 + 8 + q, minus 2^23 + 8 it is q exactly, then q * s rounded once, as
+  // state_value. (Odd elements' nibbles taken in place, 16 (q + 8), times s / 16, would save
+  // a shift a value, but the extra scale took the bf16 instances to 12-20 bytes of spills at
+  // their 80 registers; ptxas, sm_90a.)
+  __device__ __forceinline__ static void nibbles_to_values(uint32_t w, float s, float* v) {
+    const uint32_t u = w ^ 0x88888888u;
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) {
+      const float biased = __uint_as_float(((u >> (4 * t)) & 0x0Fu) | 0x4B000000u);
+      v[t] = mul_rn(sub_rn(biased, 8388616.0f), s);
+    }
+  }
+  // Value to code (kStateQ4): as code_byte_word, with |v * inv| <= 7 (state_scale_q4_of_bits), so
+  // the low nibble of fma(v, inv, 1.5 * 2^23)'s bits is the code's two's complement; the even
+  // elements' low bytes and the odd ones' (shifted by 4) merged into the nibbles of one word.
+  __device__ __forceinline__ static uint32_t code_nibble_word(const float* v, float inv) {
+    uint32_t b[kVec];
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) b[t] = __float_as_uint(__fmaf_rn(v[t], inv, 12582912.0f));
+    uint32_t even, odd;
+    if constexpr (kVec == 8) {
+      even = __byte_perm(__byte_perm(b[0], b[2], 0x0040u), __byte_perm(b[4], b[6], 0x0040u),
+                         0x5410u);
+      odd = __byte_perm(__byte_perm(b[1], b[3], 0x0040u), __byte_perm(b[5], b[7], 0x0040u),
+                        0x5410u);
+    } else {  // the low two bytes count (CodeWord uint16_t)
+      even = __byte_perm(b[0], b[2], 0x0040u);
+      odd = __byte_perm(b[1], b[3], 0x0040u);
+    }
+    return (even & 0x0F0F0F0Fu) | ((odd << 4) & 0xF0F0F0F0u);
+  }
+  // The int4 codes of the row's last piece (e + kVec > n) at element e: the bytes before n, the
+  // nibbles past n 0 (as the int8 state's codes past n).
+  __device__ __forceinline__ static CodeWord partial_code_word_q4(const uint8_t* m, int64_t e,
+                                                                  int64_t n) {
+    uint32_t w = 0;
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) {
+      if (e + 2 * i < n) {
+        const uint32_t byte = m[e / 2 + i] & (e + 2 * i + 1 < n ? 0xFFu : 0x0Fu);
+        w |= byte << (8 * i);
+      }
+    }
+    return static_cast<CodeWord>(w);
+  }
+  __device__ static void load_state_q4(const uint8_t* m, const float* s, int64_t e, int64_t n,
+                                       float* v) {
+    const float scale = e < n ? s[e / kStateGroup] : 0.0f;  // not __ldg: as load_state_q8
+    if (e + kVec <= n) {
+      nibbles_to_values(*reinterpret_cast<const CodeWord*>(m + e / 2), scale, v);
+    } else {
+      nibbles_to_values(partial_code_word_q4(m, e, n), scale, v);
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) v[t] = e + t < n ? v[t] : 0.0f;
+    }
+  }
+  // The values of a piece's codes as one word (CodeWord) under scale s, for either state.
+  __device__ __forceinline__ static void decode_codes(const CodeWord& c, float s, float* v) {
+    if constexpr (kStateQ4)
+      nibbles_to_values(c, s, v);
+    else
+      codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(c), s, v);
+  }
+  // The scale of a group from its largest |v|'s bits, for either state.
+  __device__ __forceinline__ static StateScale scale_of_bits(uint32_t amax_bits) {
+    if constexpr (kStateQ4)
+      return state_scale_q4_of_bits(amax_bits);
+    else
+      return state_scale_of_bits(amax_bits);
+  }
+
   // The entry and update loads of a piece with the int8 state, and with a bf16 state and
   // 16-bit x: x, m1, m2 (and the codes' scales), all issued in one basic block before any of
   // them is converted. Why: loaded by load_raw, load_m1 and load_m2, each behind its own test
@@ -189,7 +273,7 @@ struct FastStages {
   // waits for its load), so a piece took three memory round trips one after another instead of
   // one (SASS, sm_90a; docs/gpu.md has the times). The fp32 state's instances keep the three
   // loaders: they run at their byte floor.
-  static constexpr bool kJointLoads = kStateQ8 || (kStateBf16 && kVec == 8);
+  static constexpr bool kJointLoads = kStateQ || (kStateBf16 && kVec == 8);
   __device__ static void load_x_and_state(const KernelArgs& a, int64_t e, float* x, float* m1,
                                           float* m2) {
     if (e + kVec <= a.n) {
@@ -204,6 +288,15 @@ struct FastStages {
         fast::unpack_values<T, kVec>(xw, x);
         codes_to_values(w1, s1, m1);
         codes_to_values(w2, s2, m2);
+      } else if constexpr (kStateQ4) {
+        const CodeWord w1 =
+            *reinterpret_cast<const CodeWord*>(static_cast<const uint8_t*>(a.m1) + e / 2);
+        const CodeWord w2 =
+            *reinterpret_cast<const CodeWord*>(static_cast<const uint8_t*>(a.m2) + e / 2);
+        const float s1 = a.s1[e / kStateGroup], s2 = a.s2[e / kStateGroup];  // not __ldg: above
+        fast::unpack_values<T, kVec>(xw, x);
+        nibbles_to_values(w1, s1, m1);
+        nibbles_to_values(w2, s2, m2);
       } else {
         const uint4 w1 = *reinterpret_cast<const uint4*>(static_cast<const S*>(a.m1) + e);
         const uint4 w2 = *reinterpret_cast<const uint4*>(static_cast<const S*>(a.m2) + e);
@@ -251,6 +344,33 @@ struct FastStages {
     }
     if (first && e < n) s[e / kStateGroup] = sc.s;
   }
+  // The same for the int4 state (kStateQ4): this lane's kVec / 2 bytes of packed codes at byte
+  // e / 2 (e is even, so the lanes of a group write whole bytes of their own); in the row's last
+  // piece the bytes before n, a nibble past n 0.
+  __device__ __forceinline__ static void store_codes_q4(uint8_t* codes, float* s, int64_t e,
+                                                        int64_t n, const float* v, StateScale sc,
+                                                        bool first) {
+    const uint32_t w = sc.inv != 0.0f ? code_nibble_word(v, sc.inv) : 0u;
+    if (e + kVec <= n) {
+      *reinterpret_cast<CodeWord*>(codes + e / 2) = static_cast<CodeWord>(w);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec / 2; ++i)
+        if (e + 2 * i < n)
+          codes[e / 2 + i] =
+              static_cast<uint8_t>((w >> (8 * i)) & (e + 2 * i + 1 < n ? 0xFFu : 0x0Fu));
+    }
+    if (first && e < n) s[e / kStateGroup] = sc.s;
+  }
+  // store_codes / store_codes_q4 of the average m (m1 or m2), for the state's type.
+  __device__ __forceinline__ static void store_state_codes(void* m, float* s, int64_t e,
+                                                           int64_t n, const float* v,
+                                                           StateScale sc, bool first) {
+    if constexpr (kStateQ4)
+      store_codes_q4(static_cast<uint8_t*>(m), s, e, n, v, sc, first);
+    else
+      store_codes(static_cast<int8_t*>(m), s, e, n, v, sc, first);
+  }
   // The int8 state's store of this lane's kVec new values of m1 (v1) and m2 (v2) at element e:
   // each group's largest |v| over its kLanes lanes (values past n do not count; every lane of the
   // group calls this together), its scale (echo_common.h state_scale_of_bits), the codes, and the
@@ -271,8 +391,8 @@ struct FastStages {
       amax2 = max(amax2, o2);
     }
     const bool first = lane % kLanes == 0;
-    store_codes(static_cast<int8_t*>(a.m1), a.s1, e, a.n, v1, state_scale_of_bits(amax1), first);
-    store_codes(static_cast<int8_t*>(a.m2), a.s2, e, a.n, v2, state_scale_of_bits(amax2), first);
+    store_state_codes(a.m1, a.s1, e, a.n, v1, scale_of_bits(amax1), first);
+    store_state_codes(a.m2, a.s2, e, a.n, v2, scale_of_bits(amax2), first);
   }
   // kVec fp32 values stored at element e (a bf16 state rounded to nearest even); none past n.
   __device__ static void store_state(const KernelArgs& a, void* m, int64_t e, const float* v) {
@@ -392,13 +512,13 @@ struct FastStages {
   // more round trips, and 2 s + e bytes a value of the own segment read twice. Not in the other
   // compensated instances: it took the bf16 state's from 64 to 78-96 registers and the fp32-x
   // int8 ones from 48 to 60, and those ran slower (docs/gpu.md has the times).
-  static constexpr bool kKeepOwn = COMP && UPDATE && !ROT && kStateQ8 && sizeof(T) == 2;
+  static constexpr bool kKeepOwn = COMP && UPDATE && !ROT && kStateQ && sizeof(T) == 2;
   // The codes as one word each (CodeWord), loaded as push_local loads them: held as
   // Pack<int8_t, kVec> they took byte permutes and logic ops (61-67 more instructions in each
   // kernel with kKeepOwn, the same registers and time; cuobjdump, sm_90a; docs/gpu.md).
   struct OwnWords {
     uint4 x;            // kVec values of T
-    CodeWord m1, m2;    // kVec int8 codes of m1, m2 as stored
+    CodeWord m1, m2;    // kVec int8 (int4) codes of m1, m2 as stored
     float s1, s2;       // their groups' scales
   };
   // The words of the piece at element e; past n, zeros (x, m1, m2 then read as +0, as
@@ -425,8 +545,8 @@ struct FastStages {
   __device__ __forceinline__ static void unpack_own(const OwnWords& o, float* x, float* m1,
                                                     float* m2, float f1, float f2) {
     fast::unpack_values<T, kVec>(o.x, x);
-    codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(o.m1), f1, m1);
-    codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(o.m2), f2, m2);
+    decode_codes(o.m1, f1, m1);
+    decode_codes(o.m2, f2, m2);
   }
 
   // What the state update of a piece reads (COMP): x as fp32 and m1, m2. The unrotated stages
@@ -475,7 +595,7 @@ struct FastStages {
         const float xp = comp_apply(in.x[t], in.m1[t], in.m2[t], a.k);
         comp_update(xp, y[t], in.m1[t], in.m2[t], a.k, &n1[t], &n2[t]);
       }
-      if constexpr (kStateQ8) {
+      if constexpr (kStateQ) {
         store_state_pair(a, e, n1, n2);
       } else {
         store_state(a, a.m1, e, n1);
@@ -612,6 +732,23 @@ struct FastStages {
   __device__ static void load_local_piece(const KernelArgs& a, int64_t e, uint4& x, CodeWord& c1,
                                           CodeWord& c2) {
     const T* xs = static_cast<const T*>(a.x);
+    if constexpr (kStateQ4) {  // the codes at byte e / 2
+      const uint8_t* q1 = static_cast<const uint8_t*>(a.m1);
+      const uint8_t* q2 = static_cast<const uint8_t*>(a.m2);
+      if (e + kVec <= a.n) {
+        x = *reinterpret_cast<const uint4*>(xs + e);
+        c1 = *reinterpret_cast<const CodeWord*>(q1 + e / 2);
+        c2 = *reinterpret_cast<const CodeWord*>(q2 + e / 2);
+      } else {  // the row's last piece
+        Pack<T, kVec> xv;
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) xv.v[t] = e + t < a.n ? xs[e + t] : from_f32<T>(0.0f);
+        x = *reinterpret_cast<const uint4*>(&xv);
+        c1 = partial_code_word_q4(q1, e, a.n);
+        c2 = partial_code_word_q4(q2, e, a.n);
+      }
+      return;
+    }
     const int8_t* q1 = static_cast<const int8_t*>(a.m1);
     const int8_t* q2 = static_cast<const int8_t*>(a.m2);
     if (e + kVec <= a.n) {
@@ -637,7 +774,7 @@ struct FastStages {
   // load_state_q8 gives them).
   __device__ __forceinline__ static void decode_state_piece(const CodeWord& c, float s, int64_t e,
                                                             int64_t n, float* v) {
-    codes_to_values(reinterpret_cast<const uint32_t(&)[kCodeWords]>(c), s, v);
+    decode_codes(c, s, v);
     if (e + kVec > n) {
 #pragma unroll
       for (int t = 0; t < kVec; ++t) v[t] = e + t < n ? v[t] : 0.0f;
@@ -678,11 +815,11 @@ struct FastStages {
     const unsigned mask = kLn == 32 ? 0xFFFFFFFFu : ((1u << kLn) - 1u) << (lane / kLn * kLn);
 #pragma unroll
     for (int off = kLn / 2; off > 0; off /= 2) amax = max(amax, __shfl_xor_sync(mask, amax, off));
-    const StateScale sc = state_scale_of_bits(amax);
+    const StateScale sc = scale_of_bits(amax);
 #pragma unroll
     for (int k = 0; k < LP::kLoads; ++k)
-      store_codes(static_cast<int8_t*>(M1 ? a.m1 : a.m2), M1 ? a.s1 : a.s2,
-                  e0 + LP::index(j, k, 0), a.n, nv[k], sc, j == 0 && k == 0);
+      store_state_codes(M1 ? a.m1 : a.m2, M1 ? a.s1 : a.s2, e0 + LP::index(j, k, 0), a.n, nv[k],
+                        sc, j == 0 && k == 0);
   }
 
   // push with the local residual (LOCAL: the int8 state; LP, two pieces a lane): x, m1, m2
@@ -1042,7 +1179,7 @@ struct FastStages {
       // those loads: two round trips a piece); first in the int8 state's, which ran slower
       // decoding late (docs/gpu.md has the times), and in the uncompensated ones, which have no
       // update loads.
-      constexpr bool kDecodeLate = COMP && !kStateQ8;
+      constexpr bool kDecodeLate = COMP && !kStateQ;
       const DequantParams d_early =
           kDecodeLate ? DequantParams{0.0f, 0.0f} : fast::decoder_of<BITS>(wire, a.policy);
       uint2 words[LDS];

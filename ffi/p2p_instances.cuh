@@ -60,11 +60,11 @@ void (*fast_kernel_for(int g))(KernelArgs) {
 }
 
 // The int8 state's instance with the local residual (EchoConfig.residual = "local"): unrotated,
-// g = kStateGroup.
-template <typename T, int BITS>
+// g = kStateGroup; S = uint8_t: the int4 state's (packed codes).
+template <typename T, int BITS, typename S = int8_t>
 void (*fast_local_kernel(int g))(KernelArgs) {
   if (g != kStateGroup) return nullptr;
-  return kernel_of<FastStages<T, kStateGroup, BITS, true, false, int8_t, true, true>, T>();
+  return kernel_of<FastStages<T, kStateGroup, BITS, true, false, S, true, true>, T>();
 }
 
 template <typename T, bool COMP, bool ROT, typename S = float, bool UPDATE = COMP>
@@ -81,14 +81,19 @@ void (*fast_compensated_kernel(const CallAttrs& at))(KernelArgs) {
 }
 
 // The fast instance of a compensated call with the int8 state: g = kStateGroup only (a wire
-// group is a state group), the update in the call; nullptr otherwise.
+// group is a state group), the update in the call; nullptr otherwise. The int4 state
+// (at.state_q4): the local residual's instances only.
 template <typename T>
 void (*fast_q8_kernel(const CallAttrs& at))(KernelArgs) {
   if (at.g != kStateGroup || !at.update) return nullptr;
   if (at.residual_local) {
     if (at.rotate) return nullptr;
+    if (at.state_q4)
+      return at.bits == 4 ? fast_local_kernel<T, 4, uint8_t>(at.g)
+                          : fast_local_kernel<T, 8, uint8_t>(at.g);
     return at.bits == 4 ? fast_local_kernel<T, 4>(at.g) : fast_local_kernel<T, 8>(at.g);
   }
+  if (at.state_q4) return nullptr;
   if (at.rotate)
     return at.bits == 4 ? fast_kernel_for<T, true, true, int8_t, true, 4, kStateGroup>(at.g)
                         : fast_kernel_for<T, true, true, int8_t, true, 8, kStateGroup>(at.g);

@@ -92,7 +92,8 @@ struct KernelArgs {
   const void* x;      // this rank's contribution [n] (T)
   void* y;            // this rank's output [n] (T)
   void* m1;           // compensator state [n] (fp32, or bf16 when state_bf16; int8 codes for
-  void* m2;           // the fast stages' int8 instances) or nullptr
+  void* m2;           // the fast stages' int8 instances, packed int4 ones for their int4
+                      // instances) or nullptr
   float* s1;          // the int8 state's scales of m1, m2 [ceil(n / kStateGroup)], updated in
   float* s2;          // place (FastStages with S = int8_t); nullptr otherwise
   const float* factor;  // device f32[1]: the rescaling's power of two (1: not rescaled)
@@ -127,7 +128,9 @@ struct CallAttrs {
   const float* factor;  // device f32[1], the rescaling's power of two
   bool state_bf16;      // the compensated call's m1, m2 are bf16 (else fp32)
   bool update;          // the compensated call updates m1, m2; false: the applied call
-  bool state_q8 = false;  // m1, m2 are int8 codes with the scales s1, s2 (EchoConfig.state_dtype)
+  bool state_q8 = false;  // m1, m2 are int8 (or int4: state_q4) codes with the scales s1, s2
+                          // (EchoConfig.state_dtype "int8" / "int4"): a quantized state
+  bool state_q4 = false;  // with state_q8: the codes are int4, packed two a byte (XLA's S4)
   float* s1 = nullptr;    // this rank's scales of m1, m2 (int8 state; updated in place)
   float* s2 = nullptr;
   // The averages take this rank's local rounding errors (EchoConfig.residual = "local"), updated

@@ -66,7 +66,8 @@ n elements in the state's own shape, aliased to their outputs), and coords int32
 dtype: a 16-bit x enters and leaves the call in its own dtype (no fp32 copy of it in XLA around the
 call); the handler loads it to fp32 exactly, runs the protocol in fp32 and rounds the sum to x's
 dtype to nearest even, like `xla_allreduce(x.astype(f32)).astype(x.dtype)`. The compensated call
-updates its state (fp32 or bf16, `FUSED_STATE_DTYPES`) with the fp32 sum, before that rounding.
+updates its state (`FUSED_STATE_DTYPES`: fp32, bf16, or int8 / int4 codes with their fp32 scales
+through TARGET_COMPENSATED_Q8) with the fp32 sum, before that rounding.
 The applied call (`allreduce_applied`, `EchoConfig.state_update="separate"`) takes m1, m2 as
 read-only operands, runs the apply step only and returns y; the update is left to its own op.
 With `EchoConfig.residual="local"` the compensated call updates the state where it quantizes,
@@ -116,9 +117,10 @@ MAX_RANKS = 256
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 POLICY_CODES = policies.CODES  # asym 0, sym 1, asym_naive 2
 
-#: The state dtypes (`EchoConfig.state_dtype`) the fused compensated call takes (int8: with
-#: group_size 128, `base.Transport`; the applied call takes the first two).
-FUSED_STATE_DTYPES = ("float32", "bfloat16", "int8")
+#: The state dtypes (`EchoConfig.state_dtype`) the fused compensated call takes (int8, int4:
+#: with group_size 128, `base.Transport`, both through TARGET_COMPENSATED_Q8, which tells them
+#: apart by the codes' element type; the applied call takes the first two).
+FUSED_STATE_DTYPES = ("float32", "bfloat16", "int8", "int4")
 
 _lock = threading.Lock()
 _registered: set[str] = set()
@@ -283,8 +285,11 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
                          "float32 first)")
     for name, m in states:
         want = jnp.dtype(config.state_dtype)
-        if isinstance(m, comp.QuantizedMoment) and want == jnp.int8:
-            base.check_quantized_moment(where, name, m, shape[0])
+        if (isinstance(m, comp.QuantizedMoment)
+                and config.state_dtype in base.QUANTIZED_STATE_DTYPES):
+            # Codes of config.state_dtype for m1 and m2 alike: the call reads both in the
+            # format of m1's codes and refuses a mix, so name the operand here.
+            base.check_quantized_moment(where, name, m, shape[0], want)
             continue
         if (isinstance(m, comp.QuantizedMoment) or jnp.size(m) != shape[0]
                 or jnp.result_type(m) != want):
@@ -296,10 +301,12 @@ def _check_call(where, x_flat32, axis, num_ranks, config, states=()):
         raise ValueError(f"{where}: " + " and ".join(f"{name} {list(jnp.shape(m))}"
                                                      for name, m in states)
                          + " must have one shape (each is updated in place)")
-    if states and config.state_dtype == "int8" and config.group_size != base.STATE_GROUP:
-        raise ValueError(f"{where}: the int8 state needs group_size {base.STATE_GROUP} (a wire "
-                         f"group is a state group), got {config.group_size}; use "
-                         f"group_size={base.STATE_GROUP} or state_dtype='bfloat16'")
+    if (states and config.state_dtype in base.QUANTIZED_STATE_DTYPES
+            and config.group_size != base.STATE_GROUP):
+        raise ValueError(f"{where}: the {config.state_dtype} state needs group_size "
+                         f"{base.STATE_GROUP} (a wire group is a state group), got "
+                         f"{config.group_size}; use group_size={base.STATE_GROUP} or "
+                         "state_dtype='bfloat16'")
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)):
         raise ValueError(f"{where}: num_ranks must be an int, got {num_ranks!r}")
     num_ranks = int(num_ranks)
@@ -386,9 +393,9 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
       m1_flat, m2_flat: the CompensatorState in config.state_dtype (`FUSED_STATE_DTYPES`), n
         elements in any shape, returned in that shape (keep the state's own shape: a reshape
         around an operand updated in place makes XLA copy it in a loop); a bfloat16 one is
-        widened on load and the fp32 update rounded to nearest even on store; an int8 one
-        (`compensator.QuantizedMoment`, group_size 128) read as codes times their group's
-        scale and stored a group at a time with a new scale (`echo_jax.compensator`).
+        widened on load and the fp32 update rounded to nearest even on store; an int8 or
+        int4 one (`compensator.QuantizedMoment`, group_size 128) read as codes times their
+        group's scale and stored a group at a time with a new scale (`echo_jax.compensator`).
       axis, num_ranks, config, factor: as `allreduce`; the factor multiplies x' (after the
         apply step) and divides the sum before the update, so the state stays in x's units.
 
@@ -402,7 +409,8 @@ def allreduce_compensated(x_flat32, m1_flat, m2_flat, axis, num_ranks: int,
     _register(base.current_platform())
     n = jnp.shape(x_flat32)[0]
     y_type = jax.ShapeDtypeStruct((n,), x_flat32.dtype)
-    # The state's arrays (an int8 state's codes and scales), each updated in place.
+    # The state's arrays (an int8 or int4 state's codes and scales), each updated in place;
+    # the int4 codes enter as XLA's packed int4 array (two a byte), which the call reads as is.
     state, types = base.state_operands(m1_flat, m2_flat)
     target = TARGET_COMPENSATED_Q8 if len(state) == 4 else TARGET_COMPENSATED
     call = jax.ffi.ffi_call(target, (y_type,) + types, vmap_method="sequential",
@@ -471,7 +479,7 @@ def registry_stats() -> dict:
 
 class CpuTransport(base.CustomCallTransport):
     """The CPU custom call (`echo_jax._ffi`, host threads over shared memory) as a
-    `Transport`; it takes both state dtypes of FUSED_STATE_DTYPES."""
+    `Transport`; it takes the state dtypes of FUSED_STATE_DTYPES."""
 
     name = NAME
     fused_state_dtypes = FUSED_STATE_DTYPES

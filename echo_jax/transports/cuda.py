@@ -15,10 +15,10 @@ All of them return the same bits as the pure-JAX reference (`echo_jax.quant`,
 `echo_jax.collective.xla_allreduce`, `echo_jax.compensator`). With `EchoConfig.rotation="hadamard"`
 the all-reduce kernels rotate every group themselves (groups up to `MAX_ROTATED_GROUP`; the
 reference is `echo_jax.transports.xla.rotated_allreduce`), compensated or not. The fused
-compensated calls take the state in fp32, bfloat16 or int8 (`FUSED_STATE_DTYPES`,
-`EchoConfig.state_dtype`): a bfloat16 m1, m2 is widened on load and rounded to nearest even on
-store inside the kernels, an int8 one decoded and encoded with its group's power-of-two scale,
-the bits of `echo_jax.compensator`'s state formats.
+compensated calls take the state in fp32, bfloat16, int8 or int4 (`FUSED_STATE_DTYPES`,
+`EchoConfig.state_dtype`; int4 with `residual="local"` only): a bfloat16 m1, m2 is widened on
+load and rounded to nearest even on store inside the kernels, an int8 or int4 one decoded and
+encoded with its group's power-of-two scale, the bits of `echo_jax.compensator`'s state formats.
 """
 
 from __future__ import annotations
@@ -50,11 +50,13 @@ MAX_ROTATED_GROUP = 1024
 
 POLICY_CODES = policies.CODES
 
-#: The state dtypes (`EchoConfig.state_dtype`) the fused compensated kernels take. The int8
-#: state (a `QuantizedMoment`) runs in the fast stages only (FastStages with S = int8_t): group_size
-#: 128, the update in the call, 16-byte aligned buffers, `GENERIC_ENV` unset; the plan checks the
-#: first two (`transports.call_modes`) and the last (`CudaTransport.fused_state_reason`).
-FUSED_STATE_DTYPES = ("float32", "bfloat16", "int8")
+#: The state dtypes (`EchoConfig.state_dtype`) the fused compensated kernels take. The int8 and
+#: int4 states (a `QuantizedMoment`) run in the fast stages only (FastStages with S = int8_t, or
+#: uint8_t for int4's packed codes): group_size 128, the update in the call, 16-byte aligned
+#: buffers, `GENERIC_ENV` unset; the int4 state with `residual="local"` only (and virtual rows of
+#: a multiple of 32 values). The plan checks the first two (`transports.call_modes`), the
+#: others `CudaTransport.fused_state_reason`.
+FUSED_STATE_DTYPES = ("float32", "bfloat16", "int8", "int4")
 #: Set to anything but "" or "0", the handlers run the generic stages only (tests); read once
 #: per process by the module.
 GENERIC_ENV = "ECHO_JAX_GENERIC_QUANT"
@@ -271,7 +273,7 @@ def virtual_allreduce(x, config: EchoConfig, state: comp.CompensatorState | None
         comp.check_state(state, x, "virtual_allreduce", config)
     if config.state_update == "separate" and state.quantized:
         raise ValueError("virtual_allreduce: the applied call (state_update='separate') takes no "
-                         "int8 state; use state_update='in_call'")
+                         "quantized (int8 / int4) state; use state_update='in_call'")
     if config.state_update == "separate":
         y = jax.ffi.ffi_call("echo_allreduce_virtual_applied_cuda", y_type)(
             flat, state.m1.reshape(flat.shape), state.m2.reshape(flat.shape),
@@ -378,7 +380,8 @@ def rank_allreduce(x, axis, num_ranks: int, config: EchoConfig, state=None, fact
                          f"elements, x has {jnp.size(x)}; use echo_jax.init_state(x, config)")
     if state.quantized:  # codes and scales, each updated in place
         if applied:
-            raise ValueError("rank_allreduce: the applied call takes no int8 state")
+            raise ValueError("rank_allreduce: the applied call takes no quantized (int8 / int4) "
+                             "state")
         arrays, types = base.state_operands(*state)
         y, *new = jax.ffi.ffi_call("echo_allreduce_comp_q8_cuda", (y_type,) + types,
                                    input_output_aliases={i: i for i in range(1, 5)})(
@@ -511,12 +514,16 @@ class CudaTransport(base.CustomCallTransport):
         return update_state(x, y, state, num_ranks, config)
 
     def fused_state_reason(self, config, state_dtype):
-        if config.residual == "local" and state_dtype != "int8":
+        if config.residual == "local" and state_dtype not in ("int8", "int4"):
             return (f"the CUDA call takes the local residual (residual='local') with the int8 "
-                    f"state only, got a {state_dtype} state (use state_dtype='int8')")
-        if state_dtype == "int8" and os.environ.get(GENERIC_ENV, "") not in ("", "0"):
-            return (f"the call's int8 state runs in the fast stages only, and {GENERIC_ENV} "
-                    f"asks for the generic ones (unset it)")
+                    f"or int4 state only, got a {state_dtype} state (use state_dtype='int8' or "
+                    f"'int4')")
+        if state_dtype == "int4" and config.residual != "local":
+            return "the call takes the int4 state with residual='local' only"
+        if (state_dtype in ("int8", "int4")
+                and os.environ.get(GENERIC_ENV, "") not in ("", "0")):
+            return (f"the call's {state_dtype} state runs in the fast stages only, and "
+                    f"{GENERIC_ENV} asks for the generic ones (unset it)")
         return None
 
 

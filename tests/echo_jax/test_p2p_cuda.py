@@ -237,9 +237,12 @@ def test_virtual_ranks_int8_state_match_reference(cuda, xdtype, rotation):
             assert np.isnan(np.asarray(got[1].m1.scales)).any(), what
 
 
+@pytest.mark.parametrize("state_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("xdtype", ["float32", "bfloat16", "float16"])
-def test_virtual_ranks_local_residual_match_reference(cuda, xdtype):
-    """EchoConfig.residual="local" with the int8 state: the push updates the state of the values
+def test_virtual_ranks_local_residual_match_reference(cuda, xdtype, state_dtype):
+    """EchoConfig.residual="local" with the int8 or int4 state (int4: the same stages with the
+    codes packed two a byte, XLA's int4, and codes in [-7, 7]; its virtual rows a multiple of 32
+    values, as all of these are): the push updates the state of the values
     it sends from x' - Q(x'), the reduce the own segment's from s - Q(s), the tail stores y
     only. y and every code and scale bit for bit with the xla transport's
     (`xla_allreduce_local`, itself checked against float64 NumPy), two chained calls, 4 and 8
@@ -247,12 +250,14 @@ def test_virtual_ranks_local_residual_match_reference(cuda, xdtype):
     rescaling's factor operand (rescale=True: the residual divided by the factor), groups that
     span the dtype's range (as in the int8 state's test), and coefficients at the ends of what
     the kernels fold into the state's scales (0 and 2^-20, EchoConfig's bound)."""
-    rng = np.random.default_rng(7 + len(xdtype))
+    rng = np.random.default_rng(7 + len(xdtype) + 11 * (state_dtype == "int4"))
+    code_dtype = jnp.int4 if state_dtype == "int4" else jnp.int8
     for nranks, bits, n, case in ((4, 4, 65536, ""), (2, 8, 4096 + 64, ""), (3, 4, 4096 + 64, ""),
-                                  (4, 4, 4096 + 64, "nan"), (4, 4, 8192, "factor"),
-                                  (3, 4, 8192, "range"), (4, 4, 4096 + 64, "coefficients")):
+                                  (3, 8, 4096 + 64, ""), (4, 4, 4096 + 64, "nan"),
+                                  (4, 4, 8192, "factor"), (3, 4, 8192, "range"),
+                                  (4, 4, 4096 + 64, "coefficients")):
         extremes = dict(eta=1.0, blend=1.0, beta1=0.0, beta2=2.0 ** -20)
-        cfg = ej.EchoConfig(bits=bits, state_dtype="int8", residual="local",
+        cfg = ej.EchoConfig(bits=bits, state_dtype=state_dtype, residual="local",
                             **(extremes if case == "coefficients" else {}))
         x0, x1, x2 = (np.asarray(rng.standard_normal((nranks, n)), np.float32)
                       for _ in range(3))
@@ -264,9 +269,10 @@ def test_virtual_ranks_local_residual_match_reference(cuda, xdtype):
             scale = np.repeat(np.ldexp(np.float32(1), exps), 128).astype(np.float32)
             x0, x1, x2 = x0 * scale, x1 * scale, x2 * scale
         x0, x1, x2 = (jnp.asarray(v).astype(xdtype) for v in (x0, x1, x2))
-        what = f"P={nranks} {xdtype} bits={bits} n={n} case={case!r}"
+        what = f"P={nranks} {xdtype} {state_dtype} state bits={bits} n={n} case={case!r}"
         zero = jax.vmap(lambda v: ej.init_state(v, cfg))(x0)
         st = reference_allreduce(x0, cfg, zero)[1]
+        assert st.m1.codes.dtype == code_dtype, what
         if case == "factor":
             def ref(v, s):
                 return jax.jit(jax.vmap(lambda a, b: ej.echo_psum(a, "tp", config=cfg, state=b,
@@ -286,11 +292,42 @@ def test_virtual_ranks_local_residual_match_reference(cuda, xdtype):
         else:
             got, (r1, r2) = two_calls(cuda, cfg, x1, x2, st)
         for (y, new), (ry, rnew), step in (((got[0], got[1]), r1, 1), ((got[2], got[3]), r2, 2)):
+            assert new.quantized and new.m1.codes.dtype == code_dtype, what
+            assert new.m1.codes.shape == st.m1.codes.shape, what
             same_bits_or_both_nan(y, ry, f"{what} call {step}: y")
             for name, a, b in zip(("m1 codes", "m1 scales", "m2 codes", "m2 scales"),
                                   jax.tree.leaves(new), jax.tree.leaves(rnew), strict=True):
                 same_bits_or_both_nan(a, b, f"{what} call {step}: {name}")
         assert np.any(np.asarray(got[3].m1.codes) != np.asarray(st.m1.codes)), what
+        if state_dtype == "int4":  # the codes' range: [-7, 7]
+            codes = np.asarray(got[3].m1.codes).astype(np.int8)
+            assert codes.min() >= -7 and codes.max() <= 7, what
+
+
+def test_the_int4_state_runs_with_the_local_residual_only(cuda):
+    """The int4 state with residual="output": the CUDA call refuses it with the reason (the
+    handler, reached directly here), and the plan of echo_psum with transport "p2p" runs the
+    compensation in JAX (`CudaTransport.fused_state_reason`) instead of the fused call. Virtual
+    rows of the int4 state must be a multiple of 32 values (each row's packed codes 16-byte
+    aligned)."""
+    from echo_jax.transports import cuda as cuda_transport
+    cfg = ej.EchoConfig(state_dtype="int4")
+    assert cfg.residual == "output"
+    reason = cuda_transport.TRANSPORT.fused_state_reason(cfg, "int4")
+    assert reason is not None and "int4 state with residual='local' only" in reason, reason
+    local = cfg.replace(residual="local")
+    assert cuda_transport.TRANSPORT.fused_state_reason(local, "int4") is None
+    assert cuda_transport.TRANSPORT.fused_state_reason(local, "int8") is None
+    assert "int4" in cuda_transport.FUSED_STATE_DTYPES
+    x = jnp.ones((2, 4096), jnp.float32)
+    st = jax.vmap(lambda v: ej.init_state(v, cfg))(x)
+    assert st.m1.codes.dtype == jnp.int4
+    with pytest.raises(Exception, match=r"int4 state runs with residual='local' only"):
+        jax.block_until_ready(cuda.virtual_allreduce(x, cfg, st))
+    x = jnp.ones((2, 4096 + 16), jnp.float32)  # int4 rows of 2056 bytes: not 16-byte aligned
+    st = jax.vmap(lambda v: ej.init_state(v, local))(x)
+    with pytest.raises(Exception, match=r"int4 state needs rows of a multiple of 32"):
+        jax.block_until_ready(cuda.virtual_allreduce(x, local, st))
 
 
 def test_the_local_residual_needs_the_int8_state(cuda):
@@ -299,12 +336,12 @@ def test_the_local_residual_needs_the_int8_state(cuda):
     x = jnp.ones((2, 4096), jnp.float32)
     cfg = ej.EchoConfig(residual="local")
     st = jax.vmap(lambda v: ej.init_state(v, cfg))(x)
-    with pytest.raises(Exception, match=r"local residual .* int8 state only"):
+    with pytest.raises(Exception, match=r"local residual .* int8 or int4 state only"):
         jax.block_until_ready(cuda.virtual_allreduce(x, cfg, st))
     cfg = ej.EchoConfig(residual="local", state_dtype="int8")
     x = jnp.ones((2, 1004), jnp.float32)
     st = jax.vmap(lambda v: ej.init_state(v, cfg))(x)
-    with pytest.raises(Exception, match=r"local residual .* int8 state only"):
+    with pytest.raises(Exception, match=r"local residual .* int8 or int4 state only"):
         jax.block_until_ready(cuda.virtual_allreduce(x, cfg, st))
 
 

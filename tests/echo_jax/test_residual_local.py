@@ -184,7 +184,7 @@ def test_a_call_that_cannot_fuse_it_refuses_with_the_fix():
         transports.plan_with(cpu.TRANSPORT, cfg, state_dtype="int8")
     # The CUDA call takes it with the int8 state only.
     cfg = ej.EchoConfig(residual="local")
-    with pytest.raises(ValueError, match=r"residual='local'.*int8 state only"):
+    with pytest.raises(ValueError, match=r"residual='local'.*int8 or int4 state only"):
         transports.plan_with(cuda.TRANSPORT, cfg, state_dtype="float32")
     assert transports.plan_with(cuda.TRANSPORT, cfg.replace(state_dtype="int8"),
                                 state_dtype="int8").compensation == "fused"
