@@ -101,3 +101,43 @@ def allreduce_error_bound(x, bits, group_size, policy):
     s_sum = np.maximum(np.maximum(s_sum, amax * 2.0 ** -10), SCALE_FLOOR) * (1 + 2 ** -6)
     bound = push + 0.5 * s_sum + 1e-6 * (1 + amax)
     return np.broadcast_to(bound[..., None], exact.shape).reshape(-1)[:n].reshape(x.shape[1:])
+
+
+def state_quantize(v, levels=127):
+    """NumPy float64 reference of the quantized compensator state (int8: levels 127, int4: 7):
+    (codes int8 in [-levels, levels], scales fp32) of a flat fp32 array, per group of 128: s the
+    smallest power of two with levels * s >= max|v| (0 below 2^-100; max|v| itself and codes 0
+    when not finite), q = rne(v / s)."""
+    F32 = np.float32
+    v = np.asarray(v, F32).reshape(-1)
+    n = v.size
+    groups = -(-n // 128)
+    g = np.zeros(groups * 128, F32)
+    g[:n] = v
+    g = g.reshape(groups, 128).astype(np.float64)
+    scale = np.zeros(groups, F32)
+    q = np.zeros((groups, 128), np.int8)
+    k = int(np.floor(np.log2(levels)))
+    for i, row in enumerate(g):
+        amax = np.abs(row).max()
+        if not np.isfinite(amax):
+            scale[i] = amax           # a non-finite group: its scale is max|v|, its codes 0
+            continue
+        if amax < 2.0 ** -100:
+            continue                  # stored as zeros
+        e = int(np.floor(np.log2(amax))) - k
+        while levels * 2.0 ** e < amax:   # the smallest power of two s with levels s >= max|v|
+            e += 1
+        while levels * 2.0 ** (e - 1) >= amax:
+            e -= 1
+        scale[i] = 2.0 ** e
+        q[i] = np.clip(np.round(row / 2.0 ** e), -levels, levels)  # np.round: half to even
+    return q.reshape(-1)[:n], scale
+
+
+def state_read(q, scale):
+    """The quantized state's values q * s (fp32; codes any shape, flat groups of 128)."""
+    q = np.asarray(q).astype(np.int8).reshape(-1)
+    groups = np.repeat(np.asarray(scale, np.float32), 128)[: q.size]
+    with np.errstate(over="ignore"):
+        return (q.astype(np.float64) * groups.astype(np.float64)).astype(np.float32)

@@ -20,43 +20,18 @@ from echo_jax import compensator as comp
 from echo_jax import transports
 from echo_jax.transports import cuda
 from conftest import as_varying
-from np_reference import coefficients
+from np_reference import coefficients, state_quantize, state_read
 
 F32 = np.float32
 INT8 = ej.EchoConfig(bits=4, transport="xla", state_dtype="int8")
 
 
 def ref_quantize(v):
-    """NumPy float64 reference of the int8 state: (codes, scales) of a flat fp32 array."""
-    v = np.asarray(v, F32).reshape(-1)
-    n = v.size
-    groups = -(-n // 128)
-    g = np.zeros(groups * 128, F32)
-    g[:n] = v
-    g = g.reshape(groups, 128).astype(np.float64)
-    scale = np.zeros(groups, F32)
-    q = np.zeros((groups, 128), np.int8)
-    for i, row in enumerate(g):
-        amax = np.abs(row).max()
-        if not np.isfinite(amax):
-            scale[i] = amax           # a non-finite group: its scale is max|v|, its codes 0
-            continue
-        if amax < 2.0 ** -100:
-            continue                  # stored as zeros
-        e = int(np.floor(np.log2(amax))) - 6
-        while 127 * 2.0 ** e < amax:  # the smallest power of two s with 127 s >= max|v|
-            e += 1
-        while 127 * 2.0 ** (e - 1) >= amax:
-            e -= 1
-        scale[i] = 2.0 ** e
-        q[i] = np.clip(np.round(row / 2.0 ** e), -127, 127)  # np.round: half to even
-    return q.reshape(-1)[:n], scale
+    """The NumPy reference of the state (`np_reference.state_quantize`, levels 127)."""
+    return state_quantize(v, 127)
 
 
-def ref_read(q, scale):
-    q = np.asarray(q).reshape(-1)
-    groups = np.repeat(np.asarray(scale, F32), 128)[: q.size]
-    return (q.astype(np.float64) * groups.astype(np.float64)).astype(F32)
+ref_read = state_read
 
 
 def test_the_format_matches_the_numpy_reference():
