@@ -206,6 +206,32 @@ def compensated_sites(cfg, xs, rescale=False):
     return f(args), f.lower(args).compile().as_text()
 
 
+def quantized_state_sites(cfg, xs, steps, rescale="auto", init=None):
+    """`steps` compensated echo_psum calls in a row on the rows of xs [P, n] under shard_map
+    over "tp" (x times 2^-step: exact, so that XLA cannot fuse the product into the JAX path's
+    apply step, where the call takes it rounded), the state carried from init(x) (default:
+    init_state; an int8 or int4 state's tests compare its codes and scales); returns
+    ((ys [P, steps, n], state), the jitted program)."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec
+    import echo_jax as ej
+
+    nranks = xs.shape[0]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:nranks]), ("tp",))
+    rows = PartitionSpec("tp")
+
+    def body(x):
+        s = ej.init_state(x[0], cfg) if init is None else init(x[0])
+        ys = []
+        for i in range(steps):
+            y, s = ej.echo_psum(x[0] * 2.0 ** -i, "tp", config=cfg, state=s, rescale=rescale)
+            ys.append(as_varying(y, ("tp",)))
+        return jnp.stack(ys)[None], jax.tree.map(lambda a: a[None], s)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=rows, out_specs=rows))
+    return f(jax.device_put(xs, NamedSharding(mesh, rows))), f
+
+
 def make_mesh(shape, names):
     """A mesh over the first prod(shape) devices (Auto axes: inputs may arrive unsharded)."""
     n = int(np.prod(shape))

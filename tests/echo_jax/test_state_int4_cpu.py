@@ -18,35 +18,13 @@ import pytest
 
 import echo_jax as ej
 from echo_jax import transports
-from conftest import as_varying
+from conftest import quantized_state_sites
 
 F32 = np.float32
 INT4 = ej.EchoConfig(bits=4, transport="xla", state_dtype="int4")
 
 pytestmark = pytest.mark.skipif(transports.cpu.module_reason() is not None,
                                 reason="the CPU custom call is not built")
-
-
-def _sites_under_shard_map(cfg, xs, steps, rescale="auto", init=None):
-    """`steps` compensated echo_psum calls in a row on the rows of xs [P, n] (x times 2^-step:
-    exact, so that XLA cannot fuse the product into the JAX path's apply step, where the call
-    takes it rounded), the int4 state carried from init(x) (default: init_state); returns
-    ((ys [P, steps, n], state), program)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-    nranks = xs.shape[0]
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:nranks]), ("tp",))
-    rows = PartitionSpec("tp")
-
-    def body(x):
-        s = ej.init_state(x[0], cfg) if init is None else init(x[0])
-        ys = []
-        for i in range(steps):
-            y, s = ej.echo_psum(x[0] * 2.0 ** -i, "tp", config=cfg, state=s, rescale=rescale)
-            ys.append(as_varying(y, ("tp",)))
-        return jnp.stack(ys)[None], jax.tree.map(lambda a: a[None], s)
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=rows, out_specs=rows))
-    return f(jax.device_put(xs, NamedSharding(mesh, rows))), f
 
 
 def _assert_same_bits(got_y, want_y, got_state, want_state):
@@ -71,11 +49,11 @@ def _assert_same_bits(got_y, want_y, got_state, want_state):
 
 
 def _check_against_reference(cfg, xs, steps, rescale, init=None):
-    (y_call, s_call), f = _sites_under_shard_map(cfg, xs, steps, rescale, init)
+    (y_call, s_call), f = quantized_state_sites(cfg, xs, steps, rescale, init)
     # The fused call ran (not the plan's JAX fallback), with int4 codes as its operands.
     text = f.lower(xs).as_text()
     assert "echo_allreduce_comp_q8_cpu" in text and "xi4>" in text
-    (y_ref, s_ref), _ = _sites_under_shard_map(cfg.replace(transport="xla"), xs, steps, rescale,
+    (y_ref, s_ref), _ = quantized_state_sites(cfg.replace(transport="xla"), xs, steps, rescale,
                                                init)
     assert s_call.m1.codes.dtype == jnp.int4
     _assert_same_bits(y_call, y_ref, s_call, s_ref)

@@ -19,11 +19,19 @@ import echo_jax as ej
 from echo_jax import compensator as comp
 from echo_jax import transports
 from echo_jax.transports import cuda
-from conftest import as_varying
+from conftest import quantized_state_sites
 from np_reference import coefficients, state_quantize, state_read
 
 F32 = np.float32
 INT8 = ej.EchoConfig(bits=4, transport="xla", state_dtype="int8")
+#: The quantized states that the scan and backward-site tests run with: the int8 state, and the
+#: int4 state with the local residual (its own tests: test_state_int4.py).
+QUANTIZED = {"int8": INT8, "int4": INT8.replace(state_dtype="int4", residual="local")}
+
+
+def _np(a):
+    """An array as NumPy, int4 codes widened to int8 (exact) so NumPy compares them."""
+    return np.asarray(a).astype(np.int8) if a.dtype == jnp.int4 else np.asarray(a)
 
 
 def ref_quantize(v):
@@ -169,27 +177,6 @@ def test_the_plan_fuses_it_where_a_wire_group_is_a_state_group(monkeypatch):
     assert transports.call_modes(transports.CUDA, INT8, "int8")[1] == "fused"
 
 
-def _sites_under_shard_map(cfg, xs, steps, rescale="auto"):
-    """`steps` compensated echo_psum calls in a row on the rows of xs [P, n] (x times 2^-step:
-    exact, so that XLA cannot fuse the product into the JAX path's apply step, where the call
-    takes it rounded), the int8 state carried; returns ((ys [P, steps, n], state), program)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-    nranks = xs.shape[0]
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:nranks]), ("tp",))
-    rows = PartitionSpec("tp")
-
-    def body(x):
-        s = ej.init_state(x[0], cfg)
-        ys = []
-        for i in range(steps):
-            y, s = ej.echo_psum(x[0] * 2.0 ** -i, "tp", config=cfg, state=s, rescale=rescale)
-            ys.append(as_varying(y, ("tp",)))
-        return jnp.stack(ys)[None], jax.tree.map(lambda a: a[None], s)
-
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=rows, out_specs=rows))
-    return f(jax.device_put(xs, NamedSharding(mesh, rows))), f
-
-
 @pytest.mark.parametrize("dtype, rotation, rescale", [(jnp.float32, "none", True),
                                                       (jnp.bfloat16, "hadamard", "auto")],
                          ids=["f32", "bf16-rotated"])
@@ -204,9 +191,9 @@ def test_the_cpu_call_matches_the_jax_path_bit_for_bit(dtype, rotation, rescale)
     xs[1, 140] = np.nan  # rank 1's second group: its sums are NaN, its state groups NaN
     xs = jnp.asarray(xs).astype(dtype)
     cfg = INT8.replace(transport="p2p", rotation=rotation)
-    (y_call, s_call), f = _sites_under_shard_map(cfg, xs, 3, rescale)
+    (y_call, s_call), f = quantized_state_sites(cfg, xs, 3, rescale)
     assert "echo_allreduce_comp_q8_cpu" in f.lower(xs).as_text()
-    (y_ref, s_ref), _ = _sites_under_shard_map(cfg.replace(transport="xla"), xs, 3, rescale)
+    (y_ref, s_ref), _ = quantized_state_sites(cfg.replace(transport="xla"), xs, 3, rescale)
     both_nan = np.isnan(np.asarray(y_call, F32)) & np.isnan(np.asarray(y_ref, F32))
     np.testing.assert_array_equal(np.where(both_nan, 0, np.asarray(y_call, F32)),
                                   np.where(both_nan, 0, np.asarray(y_ref, F32)))
@@ -234,8 +221,8 @@ def test_the_cpu_call_matches_the_jax_path_on_odd_layouts(nranks, n, dtype, rota
     xs = np.asarray(jax.random.normal(jax.random.key(nranks * 1000 + n), (nranks, n)), F32)
     xs = jnp.asarray(xs * 50).astype(dtype)
     cfg = INT8.replace(transport="p2p", rotation=rotation, bits=8 if n % 2 else 4)
-    (y_call, s_call), _ = _sites_under_shard_map(cfg, xs, 2, True)
-    (y_ref, s_ref), _ = _sites_under_shard_map(cfg.replace(transport="xla"), xs, 2, True)
+    (y_call, s_call), _ = quantized_state_sites(cfg, xs, 2, True)
+    (y_ref, s_ref), _ = quantized_state_sites(cfg.replace(transport="xla"), xs, 2, True)
     np.testing.assert_array_equal(np.asarray(y_call), np.asarray(y_ref))
     for got, want in zip(jax.tree.leaves(s_call), jax.tree.leaves(s_ref), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -255,23 +242,25 @@ def test_the_explicit_call_names_what_to_fix():
                  axis_name="tp")(x[None])
 
 
-def test_a_scan_over_sites_keeps_the_int8_state():
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_a_scan_over_sites_keeps_the_quantized_state(name):
+    cfg = QUANTIZED[name]
     x = jax.random.normal(jax.random.key(4), (2, 8, 64))
 
     def sites(v):
-        st = ej.init_state(v, INT8)
+        st = ej.init_state(v, cfg)
 
         def body(carry, _):
             h, s = carry
-            y, s = ej.echo_psum(h, "tp", config=INT8, state=s)
+            y, s = ej.echo_psum(h, "tp", config=cfg, state=s)
             return (0.5 * y, s), None
 
         (h, s), _ = lax.scan(body, (v, st), None, length=3)
         return h, s
 
     h, s = jax.jit(jax.vmap(sites, axis_name="tp"))(x)
-    assert s.m1.codes.dtype == jnp.int8 and s.m1.scales.shape == (2, 4)
-    assert bool(jnp.isfinite(h).all())
+    assert s.m1.codes.dtype == jnp.dtype(name) and s.m1.scales.shape == (2, 4)
+    assert bool(jnp.isfinite(h).all()) and bool((s.m1.scales > 0).all())
 
 
 def test_the_gspmd_helpers_and_the_layers_gspmd_mode_refuse_it_with_the_fix():
@@ -288,56 +277,59 @@ def test_the_gspmd_helpers_and_the_layers_gspmd_mode_refuse_it_with_the_fix():
     assert st.m1.codes.dtype == jnp.int8 and st.m1.scales.shape == (4,)
 
 
-def test_a_backward_site_carries_the_int8_state_as_a_cotangent():
-    """Two backward sites with the int8 state: the gradient and the final backward state (the
-    cotangent of the state passed in the carrier form) equal, bit for bit, the two compensated
-    all-reduces of the cotangent written out with echo_psum (rescaled, as the backward site
-    runs them), the state threaded between them in backward order."""
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_a_backward_site_carries_the_quantized_state_as_a_cotangent(name):
+    """Two backward sites with the int8 (int4) state: the gradient and the final backward
+    state (the cotangent of the state passed in the carrier form) equal, bit for bit, the two
+    compensated all-reduces of the cotangent written out with echo_psum (rescaled, as the
+    backward site runs them), the state threaded between them in backward order."""
     from echo_jax import compensator as C
     from echo_jax import tp
+    cfg, codes = QUANTIZED[name], jnp.dtype(name)
+    carrier = C.CODES_CARRIER if name == "int8" else C.CODES_CARRIER_4
     x = jax.random.normal(jax.random.key(5), (2, 256))
 
     def loss(v, st):
-        h, st = tp.backward_site(v, "tp", INT8, st)
-        h2, st = tp.backward_site(jnp.sin(h), "tp", INT8, st)
+        h, st = tp.backward_site(v, "tp", cfg, st)
+        h2, st = tp.backward_site(jnp.sin(h), "tp", cfg, st)
         return jnp.sum(h2 ** 2)
 
     def run(v):
-        return jax.grad(loss, argnums=(0, 1))(v, C.as_carrier(ej.init_state(v, INT8)))
+        return jax.grad(loss, argnums=(0, 1))(v, C.as_carrier(ej.init_state(v, cfg)))
 
     def by_hand(v):
-        ct, st = ej.echo_psum(2 * jnp.sin(v), "tp", config=INT8, rescale=True,
-                              state=ej.init_state(v, INT8))            # the second site first
-        return ej.echo_psum(ct * jnp.cos(v), "tp", config=INT8, rescale=True, state=st)
+        ct, st = ej.echo_psum(2 * jnp.sin(v), "tp", config=cfg, rescale=True,
+                              state=ej.init_state(v, cfg))            # the second site first
+        return ej.echo_psum(ct * jnp.cos(v), "tp", config=cfg, rescale=True, state=st)
 
     gx, gs = jax.jit(jax.vmap(run, axis_name="tp"))(x)
     want_x, want_s = jax.jit(jax.vmap(by_hand, axis_name="tp"))(x)
-    assert gs.m1.codes.dtype == C.CODES_CARRIER
+    assert gs.m1.codes.dtype == carrier
     got_s = C.from_carrier(gs)
-    assert got_s.m1.codes.dtype == jnp.int8 and int(jnp.abs(got_s.m1.codes).max()) > 0
+    assert got_s.m1.codes.dtype == codes and np.abs(_np(got_s.m1.codes)).max() > 0
     np.testing.assert_array_equal(np.asarray(gx), np.asarray(want_x))
     for got, want in zip(jax.tree.leaves(got_s), jax.tree.leaves(want_s)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    # Given as int8 (from init_state), the state still flows between the sites; only its
-    # final value, the cotangent of an int8 input, has no values (float0).
-    g_int8 = jax.jit(jax.vmap(lambda v: jax.grad(loss)(v, ej.init_state(v, INT8)),
+        np.testing.assert_array_equal(_np(got), _np(want))
+    # Given as codes (from init_state), the state still flows between the sites; only its
+    # final value, the cotangent of an integer input, has no values (float0).
+    g_int8 = jax.jit(jax.vmap(lambda v: jax.grad(loss)(v, ej.init_state(v, cfg)),
                               axis_name="tp"))(x)
     np.testing.assert_array_equal(np.asarray(g_int8), np.asarray(want_x))
-    # A float32 config with the int8 state: the call names the mismatch.
+    # A float32 config with the quantized state: the call names the mismatch.
     def mismatched(v):
         return jax.grad(lambda u: jnp.sum(tp.backward_site(
-            u, "tp", INT8.replace(state_dtype="float32"), ej.init_state(u, INT8))[0] ** 2))(v)
+            u, "tp", cfg.replace(state_dtype="float32"), ej.init_state(u, cfg))[0] ** 2))(v)
     with pytest.raises(ValueError, match=r"state.m1 must be a float32 array"):
         jax.vmap(mismatched, axis_name="tp")(x)
-    fwd = jax.vmap(lambda v: loss(v, ej.init_state(v, INT8)), axis_name="tp")
+    fwd = jax.vmap(lambda v: loss(v, ej.init_state(v, cfg)), axis_name="tp")
     np.testing.assert_allclose(np.asarray(fwd(x)), np.asarray(jnp.sum(jnp.sin(x) ** 2, axis=1)),
                                rtol=1e-6)
 
     def forward(v):
-        y, s = tp.forward_site(v, "tp", INT8, ej.init_state(v, INT8))
+        y, s = tp.forward_site(v, "tp", cfg, ej.init_state(v, cfg))
         return y, s
 
     y, s = jax.jit(jax.vmap(forward, axis_name="tp"))(x)
-    assert s.m1.codes.dtype == jnp.int8
+    assert s.m1.codes.dtype == codes
     want = np.asarray(x, np.float64).sum(0)
     assert np.abs(np.asarray(y[0], np.float64) - want).max() < 0.5 * np.abs(want).max()
