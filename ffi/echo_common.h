@@ -467,15 +467,27 @@ struct StateScale {
   float inv;  // 1 / s (exact), 0 where s is 0 or not finite
 };
 
-// The scale of a group from the bits of its largest |v| (amax_bits = f32_bits(max|v|), sign
-// clear; a NaN's bits are above every other value's, so an integer max of |v|'s bits finds it).
-ECHO_HD StateScale state_scale_of_bits(uint32_t amax_bits) {
+// The scale of a group whose codes reach +-kMaxCode (127: the int8 state, 7: the int4 state)
+// from the bits of its largest |v| (amax_bits = f32_bits(max|v|), sign clear; a NaN's bits are
+// above every other value's, so an integer max of |v|'s bits finds it): with K = floor(log2
+// kMaxCode), kMaxCode * 2^(E-K) is max|v|'s exponent E with the mantissa of kMaxCode / 2^K
+// (127 / 64 = 1.984375, 7 / 4 = 1.75), so s = 2^(E-K) where max|v| is at most that, else
+// 2^(E-K+1).
+template <int kMaxCode>
+ECHO_HD StateScale state_scale_for_bits(uint32_t amax_bits) {
+  constexpr uint32_t k = kMaxCode == 127 ? 6u : kMaxCode == 7 ? 2u : 0u;
+  static_assert(k != 0, "the quantized states' largest codes are 127 and 7");
+  constexpr uint32_t mantissa = (static_cast<uint32_t>(kMaxCode) << (23 - k)) & 0x007FFFFFu;
   if (amax_bits >= 0x7F800000u) return {f32_from_bits(amax_bits), 0.0f};  // inf or NaN
   if (amax_bits < (27u << 23)) return {0.0f, 0.0f};                        // below 2^-100
-  // 127 * 2^(E-6) = 1.984375 * 2^E: max|v|'s exponent field with the mantissa of 127 / 64.
-  const bool fits = amax_bits <= ((amax_bits & 0x7F800000u) | 0x007E0000u);
-  const uint32_t e = (amax_bits >> 23) - (fits ? 6u : 5u);  // s's biased exponent
+  const bool fits = amax_bits <= ((amax_bits & 0x7F800000u) | mantissa);
+  const uint32_t e = (amax_bits >> 23) - (fits ? k : k - 1u);  // s's biased exponent
   return {f32_from_bits(e << 23), f32_from_bits((254u - e) << 23)};
+}
+
+// The int8 state's scale (codes in [-127, 127]).
+ECHO_HD StateScale state_scale_of_bits(uint32_t amax_bits) {
+  return state_scale_for_bits<127>(amax_bits);
 }
 
 // The code of v under the inverse scale inv: v * inv is exact (|v * inv| <= 127, or NaN).
@@ -499,14 +511,9 @@ ECHO_HD float state_value(int8_t q, float s) { return mul_rn(static_cast<float>(
 // state's bytes are most of what the compensated call moves beyond the plain one on one GPU.
 constexpr int kStateQ4Max = 7;
 
-// As state_scale_of_bits, with 7 in place of 127.
+// The int4 state's scale (codes in [-7, 7]).
 ECHO_HD StateScale state_scale_q4_of_bits(uint32_t amax_bits) {
-  if (amax_bits >= 0x7F800000u) return {f32_from_bits(amax_bits), 0.0f};  // inf or NaN
-  if (amax_bits < (27u << 23)) return {0.0f, 0.0f};                        // below 2^-100
-  // 7 * 2^(E-2) = 1.75 * 2^E: max|v|'s exponent field with the mantissa of 7 / 4.
-  const bool fits = amax_bits <= ((amax_bits & 0x7F800000u) | 0x00600000u);
-  const uint32_t e = (amax_bits >> 23) - (fits ? 2u : 1u);  // s's biased exponent
-  return {f32_from_bits(e << 23), f32_from_bits((254u - e) << 23)};
+  return state_scale_for_bits<kStateQ4Max>(amax_bits);
 }
 
 // The int4 code of v under the inverse scale inv (|v * inv| <= 7, or NaN), as state_code.
