@@ -157,32 +157,29 @@ inline void StoreState(const RankIO& io, void* m, int64_t k, float v) {
     static_cast<float*>(m)[k] = v;
 }
 
-// Stores the `count` fp32 values v of the int8 state group that starts at element k0 (a
-// multiple of kStateGroup): its scale from the group's largest |v|, then the codes.
-inline void StoreStateGroup(void* m, float* s, int64_t k0, const float* v, int count) {
+// Stores the `count` fp32 values v of the int8 (kQ8) or int4 (kQ4) state group that starts at
+// element k0 (a multiple of kStateGroup): its scale from the group's largest |v|, then the codes
+// (int4: packed two a byte; k0 is even, so the group owns whole bytes, and each byte is cleared
+// before its first nibble, so that an odd count's last byte gets a high nibble 0, as XLA packs
+// an odd-length int4 array, whatever the result buffer held).
+inline void StoreStateGroup(StateFormat format, void* m, float* s, int64_t k0, const float* v,
+                            int count) {
   uint32_t amax_bits = 0;  // max|v| as bits (a NaN's are the largest)
   for (int t = 0; t < count; ++t)
     amax_bits = std::max(amax_bits, echo::f32_bits(v[t]) & 0x7FFFFFFFu);
-  const echo::StateScale sc = echo::state_scale_of_bits(amax_bits);
-  int8_t* q = static_cast<int8_t*>(m) + k0;
-  for (int t = 0; t < count; ++t) q[t] = echo::state_code(v[t], sc.inv);
-  s[k0 / echo::kStateGroup] = sc.s;
-}
-
-// As StoreStateGroup for the int4 state: codes in [-7, 7] under the int4 scale, packed two a
-// byte. k0 is even (a multiple of kStateGroup), so the group owns whole bytes; each byte is
-// cleared before its first nibble, so that an odd count's last byte gets a high nibble 0 (as
-// XLA packs an odd-length int4 array) whatever the result buffer held.
-inline void StoreStateGroupQ4(void* m, float* s, int64_t k0, const float* v, int count) {
-  uint32_t amax_bits = 0;
-  for (int t = 0; t < count; ++t)
-    amax_bits = std::max(amax_bits, echo::f32_bits(v[t]) & 0x7FFFFFFFu);
-  const echo::StateScale sc = echo::state_scale_q4_of_bits(amax_bits);
-  uint8_t* packed = static_cast<uint8_t*>(m);
-  for (int t = 0; t < count; ++t) {
-    const int64_t k = k0 + t;
-    if ((k & 1) == 0) packed[k >> 1] = 0;
-    echo::state_q4_put(packed, k, echo::state_code_q4(v[t], sc.inv));
+  const bool q8 = format == StateFormat::kQ8;
+  const echo::StateScale sc =
+      q8 ? echo::state_scale_of_bits(amax_bits) : echo::state_scale_q4_of_bits(amax_bits);
+  if (q8) {
+    int8_t* q = static_cast<int8_t*>(m) + k0;
+    for (int t = 0; t < count; ++t) q[t] = echo::state_code(v[t], sc.inv);
+  } else {
+    uint8_t* packed = static_cast<uint8_t*>(m);
+    for (int t = 0; t < count; ++t) {
+      const int64_t k = k0 + t;
+      if ((k & 1) == 0) packed[k >> 1] = 0;
+      echo::state_q4_put(packed, k, echo::state_code_q4(v[t], sc.inv));
+    }
   }
   s[k0 / echo::kStateGroup] = sc.s;
 }
@@ -206,12 +203,9 @@ inline void PutStatePair(const RankIO& io, int64_t k, int t, float n1, float n2,
 // scale every load of the group has read before.
 inline void StoreStateGroups(const RankIO& io, int64_t k0, const std::vector<float>& new1,
                              const std::vector<float>& new2, int count) {
-  if (io.state == StateFormat::kQ8) {
-    StoreStateGroup(io.m1_out, io.s1_out, k0, new1.data(), count);
-    StoreStateGroup(io.m2_out, io.s2_out, k0, new2.data(), count);
-  } else if (io.state == StateFormat::kQ4) {
-    StoreStateGroupQ4(io.m1_out, io.s1_out, k0, new1.data(), count);
-    StoreStateGroupQ4(io.m2_out, io.s2_out, k0, new2.data(), count);
+  if (GroupedState(io.state)) {
+    StoreStateGroup(io.state, io.m1_out, io.s1_out, k0, new1.data(), count);
+    StoreStateGroup(io.state, io.m2_out, io.s2_out, k0, new2.data(), count);
   }
 }
 

@@ -143,8 +143,8 @@ def _wrong_beta():
 def _int8_scale_a_power_coarser():
     from echo_jax import compensator
     mutate(compensator, "state_scale",
-           ("jnp.where(fits, exponent - 6, exponent - 5)", "jnp.where(fits, exponent - 5, "
-            "exponent - 5)"))
+           ("jnp.where(fits, exponent - k, exponent - (k - 1))",
+            "jnp.where(fits, exponent - (k - 1), exponent - (k - 1))"))
 
 
 def _straight_through_3t():
@@ -426,7 +426,8 @@ _local_residual_with_the_tail_update.unavailable = native_unavailable
 
 
 def _int8_state_keeps_the_old_scale():
-    """The CPU handler's int8 store writes a group's new codes but leaves its old scale."""
+    """The CPU handler's int8 / int4 store writes a group's new codes but leaves its old
+    scale."""
     _native_mutant("q8_old_scale", ("  s[k0 / echo::kStateGroup] = sc.s;\n", "\n"),
                    source="ffi/cpu_protocol.h")
 
@@ -599,11 +600,13 @@ MUTANTS = {
         _owner_sums_in_reverse_rank_order,
         [G + "test_owner_sums_in_rank_order_on_a_rounding_boundary"]),
     "int8_scale_a_power_coarser": (
-        "the int8 state's scale is twice the smallest power of two that holds max|v| / 127",
+        "the int8 / int4 state's scale is twice the smallest power of two that holds max|v| / "
+        "127 (/ 7)",
         _int8_scale_a_power_coarser,
         ["tests/echo_jax/test_state_int8.py::test_the_format_matches_the_numpy_reference",
          "tests/echo_jax/test_state_int8.py::"
-         "test_one_call_matches_algorithm_1_with_the_int8_store"]),
+         "test_one_call_matches_algorithm_1_with_the_int8_store",
+         "tests/echo_jax/test_state_int4.py::test_the_format_matches_the_numpy_reference"]),
     "local_residual_push_error_on_own_segment": (
         "the local residual of the owned segment is its push error, not the sum's s - Q(s)",
         _local_residual_push_error_on_own_segment,
@@ -616,10 +619,13 @@ MUTANTS = {
         ["tests/echo_jax/test_residual_local.py::test_the_cpu_call_matches_the_xla_transport_"
          "bit_for_bit[P3-x_float32-state_float32-rescaled]"]),
     "int8_state_keeps_the_old_scale": (
-        "the CPU handler's int8 state store leaves a group's old scale (C++ mutant, built)",
+        "the CPU handler's int8 / int4 state store leaves a group's old scale (C++ mutant, "
+        "built)",
         _int8_state_keeps_the_old_scale,
         ["tests/echo_jax/test_state_int8.py::"
-         "test_the_cpu_call_matches_the_jax_path_bit_for_bit[f32]"]),
+         "test_the_cpu_call_matches_the_jax_path_bit_for_bit[f32]",
+         "tests/echo_jax/test_state_int4_cpu.py::"
+         "test_the_cpu_call_matches_the_jax_path_bit_for_bit[f32-output]"]),
 }
 
 
