@@ -310,9 +310,29 @@ struct FastStages {
       load_m2(a, e, m2);
     }
   }
+  // The group statistics of the local residual's stages as fp32 min / max (min.NaN / max.NaN):
+  // a group's range two instructions a value, and its largest |v| one (|v| is a modifier of the
+  // max), where the order keys take a shift and a logic op a value before their three-input
+  // integer min / max (32 fewer instructions in the bf16 4-bit push's loop; sass_mix, sm_90a).
+  // The same bits: the range as the keys give it for finite groups (a non-finite group's
+  // encoder discards it), and the largest |v| of values that are fp32 arithmetic results, whose
+  // NaN is the canonical 0x7FFFFFFF, as max.NaN's. Why: those stages are bound by the
+  // instructions they issue (docs/gpu.md). Not with fp16 x (as kFoldState): there it took
+  // ptxas to 4 bytes of spills a thread (sm_90a).
+  static constexpr bool kFloatStats =
+      ECHO_P2P_FLOAT_STATS && LOCAL && !std::is_same_v<T, __half>;
+
   // The largest |v| of this lane's values before n, as the bits of |v| (an integer max: a NaN's
   // bits are above every other value's).
   __device__ __forceinline__ static uint32_t abs_max_bits(const float* v, int64_t e, int64_t n) {
+    if constexpr (kFloatStats) {
+      if (e + kVec <= n) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) amax = fast::max_nan(amax, fabsf(v[t]));
+        return __float_as_uint(amax);
+      }
+    }
     uint32_t amax = 0;
     if (e + kVec <= n) {
 #pragma unroll
@@ -524,7 +544,7 @@ struct FastStages {
   // The words of the piece at element e; past n, zeros (x, m1, m2 then read as +0, as
   // load_raw / load_state give them; a group of padding alone has scale 0).
   __device__ static void load_own(const KernelArgs& a, int64_t e, OwnWords& o) {
-    load_local_piece(a, e, o.x, o.m1, o.m2);
+    load_local_piece(a, e, a.n, o.x, o.m1, o.m2);
     // not __ldg: rewritten in this kernel (load_state_q8)
     o.s1 = e < a.n ? a.s1[e / kStateGroup] : 0.0f;
     o.s2 = e < a.n ? a.s2[e / kStateGroup] : 0.0f;
@@ -607,11 +627,22 @@ struct FastStages {
   // The encoder of the group whose lanes hold v (order-key min / max over the group's lanes).
   // min.NaN / max.NaN (the standalone quantizer's range) took 4-6 more registers here, and the
   // virtual-rank benchmark showed no gain with it; only the plain fp32 push (push_plain), which
-  // takes the range before scaling, is faster with it.
+  // takes the range before scaling, is faster with it. The local residual's stages take it too
+  // (kFloatStats).
   // LDS, LNS: the pieces a lane and the lanes a group (L's by default; push_local's LP).
   template <int LDS = kLoads, int LNS = kLanes>
   __device__ static fast::Encoder group_encoder(const KernelArgs& a, const float (&v)[LDS][kVec],
                                                 uint32_t* wire) {
+    if constexpr (kFloatStats) {
+      fast::Range r = fast::range_empty();
+#pragma unroll
+      for (int k = 0; k < LDS; ++k) {
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) fast::range_add(r, v[k][t]);
+      }
+      fast::range_reduce<LNS>(r);
+      return fast::make_encoder<BITS>(a.policy, r.lo, r.hi, fast::range_finite(r), wire);
+    }
     int32_t kmin = fast::kKeyMax, kmax = fast::kKeyMin;
 #pragma unroll
     for (int k = 0; k < LDS; ++k) {
@@ -729,29 +760,30 @@ struct FastStages {
   // they are used. The codes as one word (CodeWord): held as Pack<int8_t, kVec> they took byte
   // permutes and logic ops (272 more instructions in push_local, the same 80 registers) and the
   // call ran 7 % slower (one H100, docs/gpu.md).
-  __device__ static void load_local_piece(const KernelArgs& a, int64_t e, uint4& x, CodeWord& c1,
-                                          CodeWord& c2) {
+  // n: the row's length, or kNoEnd where the caller knows the piece is whole (push_local).
+  __device__ static void load_local_piece(const KernelArgs& a, int64_t e, int64_t n, uint4& x,
+                                          CodeWord& c1, CodeWord& c2) {
     const T* xs = static_cast<const T*>(a.x);
     if constexpr (kStateQ4) {  // the codes at byte e / 2
       const uint8_t* q1 = static_cast<const uint8_t*>(a.m1);
       const uint8_t* q2 = static_cast<const uint8_t*>(a.m2);
-      if (e + kVec <= a.n) {
+      if (e + kVec <= n) {
         x = *reinterpret_cast<const uint4*>(xs + e);
         c1 = *reinterpret_cast<const CodeWord*>(q1 + e / 2);
         c2 = *reinterpret_cast<const CodeWord*>(q2 + e / 2);
       } else {  // the row's last piece
         Pack<T, kVec> xv;
 #pragma unroll
-        for (int t = 0; t < kVec; ++t) xv.v[t] = e + t < a.n ? xs[e + t] : from_f32<T>(0.0f);
+        for (int t = 0; t < kVec; ++t) xv.v[t] = e + t < n ? xs[e + t] : from_f32<T>(0.0f);
         x = *reinterpret_cast<const uint4*>(&xv);
-        c1 = partial_code_word_q4(q1, e, a.n);
-        c2 = partial_code_word_q4(q2, e, a.n);
+        c1 = partial_code_word_q4(q1, e, n);
+        c2 = partial_code_word_q4(q2, e, n);
       }
       return;
     }
     const int8_t* q1 = static_cast<const int8_t*>(a.m1);
     const int8_t* q2 = static_cast<const int8_t*>(a.m2);
-    if (e + kVec <= a.n) {
+    if (e + kVec <= n) {
       x = *reinterpret_cast<const uint4*>(xs + e);
       c1 = *reinterpret_cast<const CodeWord*>(q1 + e);
       c2 = *reinterpret_cast<const CodeWord*>(q2 + e);
@@ -760,7 +792,7 @@ struct FastStages {
       int8_t b1[kVec], b2[kVec];
 #pragma unroll
       for (int t = 0; t < kVec; ++t) {
-        const bool in = e + t < a.n;
+        const bool in = e + t < n;
         xv.v[t] = in ? xs[e + t] : from_f32<T>(0.0f);
         b1[t] = in ? q1[e + t] : 0;
         b2[t] = in ? q2[e + t] : 0;
@@ -785,9 +817,10 @@ struct FastStages {
   // whose lanes hold the residuals u (LP: every lane of the group together, shuffles): Eq. 11
   // from the codes c and the scale s as read at entry, the new values stored as int8 codes under
   // the group's new scale, which its first lane stores. One average at a time, each decoded
-  // again from its codes: the two at once held 32 more values a lane.
-  template <bool M1>
-  __device__ static void update_local_average(const KernelArgs& a, int64_t e0, int j,
+  // again from its codes: the two at once held 32 more values a lane. kWhole: every lane of the
+  // warp is here and its group is whole (n is kNoEnd; push_local_groups).
+  template <bool M1, bool kWhole>
+  __device__ static void update_local_average(const KernelArgs& a, int64_t e0, int64_t n, int j,
                                               const float (&u)[LP::kLoads][kVec],
                                               const CodeWord (&c)[LP::kLoads], float s) {
     float nv[LP::kLoads][kVec];
@@ -797,7 +830,7 @@ struct FastStages {
     for (int k = 0; k < LP::kLoads; ++k) {
       const int64_t e = e0 + LP::index(j, k, 0);
       float m[kVec];  // the values, or beta m with kFoldState
-      decode_state_piece(c[k], f, e, a.n, m);
+      decode_state_piece(c[k], f, e, n, m);
 #pragma unroll
       for (int t = 0; t < kVec; ++t) {
         if constexpr (kFoldState) {  // comp_update_residual's sum
@@ -808,17 +841,20 @@ struct FastStages {
           nv[k][t] = M1 ? n1 : n2;
         }
       }
-      amax = max(amax, abs_max_bits(nv[k], e, a.n));
+      amax = max(amax, abs_max_bits(nv[k], e, n));
     }
     constexpr int kLn = LP::kLanes;
     const unsigned lane = threadIdx.x % 32;
-    const unsigned mask = kLn == 32 ? 0xFFFFFFFFu : ((1u << kLn) - 1u) << (lane / kLn * kLn);
+    // The group's lanes; the whole warp where every lane is here (a run-time mask costs the
+    // shuffles a divergence check each).
+    const unsigned mask = kLn == 32 || kWhole ? 0xFFFFFFFFu
+                                              : ((1u << kLn) - 1u) << (lane / kLn * kLn);
 #pragma unroll
     for (int off = kLn / 2; off > 0; off /= 2) amax = max(amax, __shfl_xor_sync(mask, amax, off));
     const StateScale sc = scale_of_bits(amax);
 #pragma unroll
     for (int k = 0; k < LP::kLoads; ++k)
-      store_state_codes(M1 ? a.m1 : a.m2, M1 ? a.s1 : a.s2, e0 + LP::index(j, k, 0), a.n, nv[k],
+      store_state_codes(M1 ? a.m1 : a.m2, M1 ? a.s1 : a.s2, e0 + LP::index(j, k, 0), n, nv[k],
                         sc, j == 0 && k == 0);
   }
 
@@ -827,70 +863,93 @@ struct FastStages {
   // (the value the owner decodes) while the codes of m1, m2 are still in registers. Each lane
   // read the old scales at entry; the shuffles of each average's update order those reads
   // before its first lane's write.
+  // A warp's groups are nearly always whole and all present: then (kWhole) the group set runs
+  // with n = kNoEnd, so every test for the row's last piece folds away at compile time, and the
+  // shuffles take the whole warp. Why: those tests (a 64-bit compare and a branch each, a dozen
+  // a group set) and the run-time shuffle masks' divergence checks are instructions in stages
+  // bound by the instructions they issue; with both changes the local row runs 7 % faster
+  // alone on one H100 (docs/gpu.md).
+  // bf16 x only: with fp32 and fp16 x the second copy of the push took ptxas to 4-16 bytes of
+  // spills a thread (sm_90a), against none without it.
+  static constexpr bool kWholeSets = ECHO_P2P_WHOLE_SETS && std::is_same_v<T, __nv_bfloat16>;
+  static constexpr int64_t kNoEnd = INT64_MAX;
   __device__ static void push_local(const KernelArgs& a, int seg, int64_t first, int count,
                                     int64_t local0, int warp, int warps, int lane) {
-    constexpr int kLd = LP::kLoads, kLn = LP::kLanes, kGroups = LP::kGroupsPerWarp;
-    const int j = lane % kLn;
+    constexpr int kGroups = LP::kGroupsPerWarp;
+    const int j = lane % LP::kLanes;
     uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
-    uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
     for (int q0 = warp * kGroups; q0 < count; q0 += warps * kGroups) {
-      const int q = q0 + lane / kLn;
-      const bool valid = q < count;
-      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
-      uint4 xw[kLd];
-      CodeWord c1[kLd], c2[kLd];
-      float s1 = 0.0f, s2 = 0.0f;  // a group of padding alone has no scale
-#pragma unroll
-      for (int k = 0; k < kLd; ++k) {
-        xw[k] = make_uint4(0, 0, 0, 0);
-        c1[k] = c2[k] = CodeWord{};
-        if (valid) load_local_piece(a, e0 + LP::index(j, k, 0), xw[k], c1[k], c2[k]);
-      }
-      if (valid && e0 < a.n) {  // not __ldg: rewritten below (update_local_average)
-        s1 = a.s1[e0 / kStateGroup];
-        s2 = a.s2[e0 / kStateGroup];
-      }
-      float v[kLd][kVec];  // x' (Eq. 10, rescaled), then the residual
-#pragma unroll
-      for (int k = 0; k < kLd; ++k) {
-        const int64_t e = e0 + LP::index(j, k, 0);
-        float m1[kVec], m2[kVec];
-        fast::unpack_values<T, kVec>(xw[k], v[k]);
-        if constexpr (kFoldState) {  // (eta a) m1, (eta (1 - a)) m2
-          decode_state_piece(c1[k], folded_scale(a.k.ea, s1), e, a.n, m1);
-          decode_state_piece(c2[k], folded_scale(a.k.eb, s2), e, a.n, m2);
-          apply_products_and_scale(a, v[k], m1, m2);
-        } else {
-          decode_state_piece(c1[k], s1, e, a.n, m1);
-          decode_state_piece(c2[k], s2, e, a.n, m2);
-          apply_and_scale(a, v[k], m1, m2);
-        }
-      }
-      uint32_t wire;
-      const fast::Encoder enc = group_encoder<kLd, kLn>(a, v, &wire);  // every lane: shuffles
-      if (!valid) continue;  // a group's lanes leave together (update_local_average's shuffles)
-      if (j == 0) fast::store_wire(prm, local0 + q, a.policy, wire);
-      const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
-      const float inv = unscale_of(a);
-#pragma unroll
-      for (int k = 0; k < kLd; ++k) {
-        uint32_t codes[kVec];
-#pragma unroll
-        for (int t = 0; t < kVec; ++t) {
-          codes[t] = fast::encode<BITS>(v[k][t], enc) & enc.mask;
-          // u = (x' - what the owner decodes) in x's units
-          v[k][t] = sub_rn(v[k][t], fast::decode_fast(codes[t], d));
-        }
-        if (!skip_unit_factor(inv)) {
-#pragma unroll
-          for (int t = 0; t < kVec; ++t) v[k][t] = mul_rn(v[k][t], inv);
-        }
-        fast::store_piece<kVec, BITS>(slot + piece_byte<kLn>(local0 + q, j, k), codes,
-                                      0xFFFFFFFFu);
-      }
-      update_local_average<true>(a, e0, j, v, c1, s1);
-      update_local_average<false>(a, e0, j, v, c2, s2);
+      const int64_t end = (seg * a.seg_groups + first + q0 + kGroups) * G;  // the set's end
+      if (kWholeSets && q0 + kGroups <= count && end <= a.n)  // uniform in the warp
+        push_local_groups<true>(a, seg, first, count, local0, q0, lane, j, slot);
+      else
+        push_local_groups<false>(a, seg, first, count, local0, q0, lane, j, slot);
     }
+  }
+  // push_local's group set at q0 (kWhole: all there and whole).
+  template <bool kWhole>
+  __device__ static void push_local_groups(const KernelArgs& a, int seg, int64_t first, int count,
+                                           int64_t local0, int q0, int lane, int j,
+                                           uint8_t* slot) {
+    constexpr int kLd = LP::kLoads, kLn = LP::kLanes;
+    const int64_t n = kWhole ? kNoEnd : a.n;
+    uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
+    const int q = q0 + lane / kLn;
+    const bool valid = kWhole || q < count;
+    const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+    uint4 xw[kLd];
+    CodeWord c1[kLd], c2[kLd];
+    float s1 = 0.0f, s2 = 0.0f;  // a group of padding alone has no scale
+#pragma unroll
+    for (int k = 0; k < kLd; ++k) {
+      xw[k] = make_uint4(0, 0, 0, 0);
+      c1[k] = c2[k] = CodeWord{};
+      if (valid) load_local_piece(a, e0 + LP::index(j, k, 0), n, xw[k], c1[k], c2[k]);
+    }
+    if (valid && (kWhole || e0 < a.n)) {  // not __ldg: rewritten below (update_local_average)
+      s1 = a.s1[e0 / kStateGroup];
+      s2 = a.s2[e0 / kStateGroup];
+    }
+    float v[kLd][kVec];  // x' (Eq. 10, rescaled), then the residual
+#pragma unroll
+    for (int k = 0; k < kLd; ++k) {
+      const int64_t e = e0 + LP::index(j, k, 0);
+      float m1[kVec], m2[kVec];
+      fast::unpack_values<T, kVec>(xw[k], v[k]);
+      if constexpr (kFoldState) {  // (eta a) m1, (eta (1 - a)) m2
+        decode_state_piece(c1[k], folded_scale(a.k.ea, s1), e, n, m1);
+        decode_state_piece(c2[k], folded_scale(a.k.eb, s2), e, n, m2);
+        apply_products_and_scale(a, v[k], m1, m2);
+      } else {
+        decode_state_piece(c1[k], s1, e, n, m1);
+        decode_state_piece(c2[k], s2, e, n, m2);
+        apply_and_scale(a, v[k], m1, m2);
+      }
+    }
+    uint32_t wire;
+    const fast::Encoder enc = group_encoder<kLd, kLn>(a, v, &wire);  // every lane: shuffles
+    if (!valid) return;  // a group's lanes leave together (update_local_average's shuffles)
+    if (j == 0) fast::store_wire(prm, local0 + q, a.policy, wire);
+    const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
+    const float inv = unscale_of(a);
+#pragma unroll
+    for (int k = 0; k < kLd; ++k) {
+      uint32_t codes[kVec];
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        codes[t] = fast::encode<BITS>(v[k][t], enc) & enc.mask;
+        // u = (x' - what the owner decodes) in x's units
+        v[k][t] = sub_rn(v[k][t], fast::decode_fast(codes[t], d));
+      }
+      if (!skip_unit_factor(inv)) {
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) v[k][t] = mul_rn(v[k][t], inv);
+      }
+      fast::store_piece<kVec, BITS>(slot + piece_byte<kLn>(local0 + q, j, k), codes,
+                                    0xFFFFFFFFu);
+    }
+    update_local_average<true, kWhole>(a, e0, n, j, v, c1, s1);
+    update_local_average<false, kWhole>(a, e0, n, j, v, c2, s2);
   }
 
   // push: quantize the tile's groups of segment seg into owner seg's push slot for this rank.

@@ -79,6 +79,16 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_SKIP_UNIT_FACTOR
 #define ECHO_P2P_SKIP_UNIT_FACTOR 1
 #endif
+// ECHO_P2P_FLOAT_STATS: the same stages take a group's range and each average's largest |v| with
+// fp32 min.NaN / max.NaN instead of integer order keys (FastStages::kFloatStats; the same bits).
+#ifndef ECHO_P2P_FLOAT_STATS
+#define ECHO_P2P_FLOAT_STATS 1
+#endif
+// ECHO_P2P_WHOLE_SETS: the local residual's push runs a warp's whole group sets with every test
+// for the row's last piece folded away (FastStages::push_local; the same bits).
+#ifndef ECHO_P2P_WHOLE_SETS
+#define ECHO_P2P_WHOLE_SETS 1
+#endif
 
 // Error codes written to the host-mapped error word (1 + stage * 256 + peer).
 enum Stage : int { kStagePush = 0, kStageGather = 1 };

@@ -246,7 +246,7 @@ def test_virtual_ranks_local_residual_match_reference(cuda, xdtype, state_dtype)
     it sends from x' - Q(x'), the reduce the own segment's from s - Q(s), the tail stores y
     only. y and every code and scale bit for bit with the xla transport's
     (`xla_allreduce_local`, itself checked against float64 NumPy), two chained calls, 4 and 8
-    bits, P = 2, 3 and 4, a short last group, a NaN (its groups NaN on both), the
+    bits, P = 2, 3 and 4, a short last group, NaNs (their groups NaN on both), the
     rescaling's factor operand (rescale=True: the residual divided by the factor), groups that
     span the dtype's range (as in the int8 state's test), and coefficients at the ends of what
     the kernels fold into the state's scales (0 and 2^-20, EchoConfig's bound)."""
@@ -261,8 +261,8 @@ def test_virtual_ranks_local_residual_match_reference(cuda, xdtype, state_dtype)
                             **(extremes if case == "coefficients" else {}))
         x0, x1, x2 = (np.asarray(rng.standard_normal((nranks, n)), np.float32)
                       for _ in range(3))
-        if case == "nan":
-            x1[1, 4100] = np.nan
+        if case == "nan":  # in a whole group set of rank 1's push and in the short last group
+            x1[1, 100] = x1[1, 4100] = np.nan
         if case == "range":  # exponents -100 .. 120 (fp16: -8 .. 12), one a 128-value group
             lo, hi = (-8, 12) if xdtype == "float16" else (-100, 120)
             exps = np.linspace(lo, hi, n // 128).round().astype(np.int32)
