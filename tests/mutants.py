@@ -603,10 +603,10 @@ MUTANTS = {
         "the int8 / int4 state's scale is twice the smallest power of two that holds max|v| / "
         "127 (/ 7)",
         _int8_scale_a_power_coarser,
-        ["tests/echo_jax/test_state_int8.py::test_the_format_matches_the_numpy_reference",
+        ["tests/echo_jax/test_state_int8.py::test_the_format_matches_the_numpy_reference[int8]",
          "tests/echo_jax/test_state_int8.py::"
          "test_one_call_matches_algorithm_1_with_the_int8_store",
-         "tests/echo_jax/test_state_int4.py::test_the_format_matches_the_numpy_reference"]),
+         "tests/echo_jax/test_state_int8.py::test_the_format_matches_the_numpy_reference[int4]"]),
     "local_residual_push_error_on_own_segment": (
         "the local residual of the owned segment is its push error, not the sum's s - Q(s)",
         _local_residual_push_error_on_own_segment,
