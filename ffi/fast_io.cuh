@@ -240,6 +240,105 @@ __device__ __forceinline__ uint32_t load_wire(const uint16_t* params, int64_t lo
   return __ldcg(reinterpret_cast<const unsigned int*>(params + 2 * local));
 }
 
+// ---- the inverse rotation of 4-bit codes, exact in fp16 pairs --------------------------------
+// A group decodes to s (c - z) (decode_fast: c s, z s and their difference are exact) when its
+// zero point z is an integer in [0, 15]: sym (z = 8), and asym wherever the group's range
+// straddles 0 (z = rne(-lo / s)), as the rotated sums nearly always do. Then every partial sum
+// of the inverse rotation's butterflies is s times an integer of at most 15 g <= 1920 in
+// magnitude (g <= 128): exact in fp32 while s < 2^117, and a zero only as +0 (a sum of exact
+// values that cancel). So the reference's stages give s I, I = H (c - z), whatever their order,
+// and I is exact in fp16 (integers up to 2048): the stages can run on two values a register
+// (half2), half the instructions and half the shuffles of fp32, and y = (s I) (+-f) keeps the
+// reference's one rounding. A group that is not so (its range on one side of 0, a constant or
+// non-finite group, s >= 2^117) takes the fp32 stages.
+struct ExactDecoder {
+  __half2 z1024;     // 1024 + z in both halves
+  __half2 neg_z64;   // -(64 + z) in both halves
+  float s;           // the group's scale
+  bool ok;           // the group decodes to s (c - z) as above
+};
+
+__device__ __forceinline__ __half2 half2_from_bits(uint32_t u) {
+  __half2 h;
+  memcpy(&h, &u, sizeof(h));
+  return h;
+}
+
+__device__ __forceinline__ ExactDecoder exact_decoder(uint32_t wire, int policy) {
+  ExactDecoder d;
+  d.s = f32_from_bits(wire << 16);  // the bf16 scale in the low half
+  const float z = policy == kPolicySym ? 8.0f : f16_f32(static_cast<uint16_t>(wire >> 16));
+  // false for NaN s or z; 2^117 is 0x7A000000
+  d.ok = d.s > 0.0f && d.s < __uint_as_float(0x7A000000u) && z >= 0.0f && z <= 15.0f &&
+         z == rintf(z);
+  d.z1024 = __float2half2_rn(1024.0f + z);
+  d.neg_z64 = __float2half2_rn(-(64.0f + z));
+  return d;
+}
+
+// The 8 codes of word w (code n at bits 4n) as c - z, two a register: r[p] holds codes p (low
+// half) and p + 4 (high half). A nibble under fp16 1024's exponent is 1024 + c (bits 0-3) or
+// 1024 + 16 c (bits 4-7); every step is exact.
+__device__ __forceinline__ void exact_decode_word(uint32_t w, const ExactDecoder& d,
+                                                  __half2 (&r)[4]) {
+  constexpr uint32_t kMagic = 0x64006400u;  // fp16 1024 in both halves
+  const __half2 sixteenth = __float2half2_rn(0.0625f);
+  const uint32_t w8 = w >> 8;
+  r[0] = __hsub2(half2_from_bits((w & 0x000F000Fu) | kMagic), d.z1024);
+  r[1] = __hfma2(half2_from_bits((w & 0x00F000F0u) | kMagic), sixteenth, d.neg_z64);
+  r[2] = __hsub2(half2_from_bits((w8 & 0x000F000Fu) | kMagic), d.z1024);
+  r[3] = __hfma2(half2_from_bits((w8 & 0x00F000F0u) | kMagic), sixteenth, d.neg_z64);
+}
+
+// (a, b) -> (a + b, a - b), two registers.
+__device__ __forceinline__ void butterfly_pair(__half2& a, __half2& b) {
+  const __half2 sum = __hadd2(a, b);
+  b = __hsub2(a, b);
+  a = sum;
+}
+
+// The butterflies of a lane's W words of decoded codes (r[w][p]: codes p and p + 4 of word w):
+// index bits 0 and 1 between registers p, bit 2 between a register's halves, the bits that
+// number the words between words. Exact, so in any order of the index bits.
+template <int W>
+__device__ __forceinline__ void exact_stages_in_lane(__half2 (&r)[W][4]) {
+  const __half2 plus_minus = __floats2half2_rn(1.0f, -1.0f);
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    butterfly_pair(r[w][0], r[w][1]);
+    butterfly_pair(r[w][2], r[w][3]);
+    butterfly_pair(r[w][0], r[w][2]);
+    butterfly_pair(r[w][1], r[w][3]);
+#pragma unroll
+    for (int p = 0; p < 4; ++p)  // (a, b) -> (b + a, -b + a)
+      r[w][p] = __hfma2(__high2half2(r[w][p]), plus_minus, __low2half2(r[w][p]));
+  }
+#pragma unroll
+  for (int h = 1; h < W; h *= 2)
+#pragma unroll
+    for (int w = 0; w < W; ++w)
+      if (!(w & h)) {
+#pragma unroll
+        for (int p = 0; p < 4; ++p) butterfly_pair(r[w][p], r[w + h][p]);
+      }
+}
+
+// The butterflies across the LANES lanes of a group (lane j of the group, j the index bits that
+// number the lanes): one shuffle a register; the low lane of a pair keeps own + other, the
+// high one other - own, one fma(+-1, own, other) each (exact).
+template <int LANES, int W>
+__device__ __forceinline__ void exact_stages_across_lanes(__half2 (&r)[W][4], int j) {
+#pragma unroll
+  for (int o = 1; o < LANES; o *= 2) {
+    const __half2 sign = __float2half2_rn((j & o) ? -1.0f : 1.0f);
+#pragma unroll
+    for (int w = 0; w < W; ++w)
+#pragma unroll
+      for (int p = 0; p < 4; ++p)
+        r[w][p] = __hfma2(sign, r[w][p], __shfl_xor_sync(0xffffffffu, r[w][p], o));
+  }
+}
+
 // The decoder (dequant_params of echo_common.h) of a group's wire parameters.
 template <int BITS>
 __device__ __forceinline__ DequantParams decoder_of(uint32_t wire, int policy) {

@@ -100,6 +100,15 @@ struct FastStages {
     if constexpr (ROT) {
       if (threadIdx.x < kLanes)
         sign_masks()[threadIdx.x] = fast::hadamard_sign_mask<L>(threadIdx.x);
+      if constexpr (kExactTail) {
+        if (threadIdx.x < kXLanes) {
+          XMask m = 0;
+          for (int u = 0; u < kXVals; ++u)
+            if (hadamard_sign_negative(8 * (kXLanes * (u / 8) + threadIdx.x) + u % 8))
+              m |= XMask{1} << u;
+          exact_sign_masks()[threadIdx.x] = m;
+        }
+      }
     }
   }
   __device__ static uint32_t sign_mask(int j) {
@@ -1170,36 +1179,116 @@ struct FastStages {
   __device__ static void tail_rotated(const KernelArgs& a, int seg, int64_t first, int count,
                                       int64_t local0, int warp, int warps, int lane,
                                       const uint8_t* slot, const uint16_t* prm) {
+    const uint32_t sm = sign_mask(lane % kLanes);
+    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw)
+      tail_rotated_set(a, seg, first, count, local0, q0, lane, slot, prm, sm);
+  }
+
+  // One group set of tail_rotated: the groups q0 + lane / kLanes of the tile.
+  __device__ static void tail_rotated_set(const KernelArgs& a, int seg, int64_t first, int count,
+                                          int64_t local0, int q0, int lane, const uint8_t* slot,
+                                          const uint16_t* prm, uint32_t sm) {
     const int j = lane % kLanes;
-    const uint32_t sm = sign_mask(j);
-    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
-      const int q = q0 + lane / kLanes;
+    const int q = q0 + lane / kLanes;
+    const bool valid = q < count;
+    const int64_t local = local0 + q;
+    const int64_t e0 = (seg * a.seg_groups + first + q) * G;
+    const DequantParams d =
+        valid ? fast::decoder_of<BITS>(fast::load_wire(prm, local, a.policy), a.policy)
+              : DequantParams{0.0f, 0.0f};
+    uint2 words[kLoads];
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k)
+      words[k] = valid ? fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k))
+                       : make_uint2(0, 0);
+    float y[kLoads][kVec];
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      uint32_t codes[kVec];
+      fast::unpack_piece_codes<kVec, BITS>(words[k], codes);
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) y[k][t] = fast::decode_fast(codes[t], d);
+    }
+    unrotate_group(y, j, sm, a.rot_scale);
+    if (!valid) return;
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      UpdateIn in;
+      load_update(a, e0 + L::index(j, k, 0), in);
+      store_output(a, e0 + L::index(j, k, 0), y[k], in);
+    }
+  }
+
+  // The tail's inverse rotation in exact fp16 pairs (fast::ExactDecoder says when it is exact):
+  // 4-bit codes, g <= 128, the uncompensated call. A lane holds kXVals values of a group, word
+  // i of them the 8 values 8 (kXLanes i + j) .. of lane j: the group's lanes store 16-byte
+  // words side by side (a lane's values in one run took twice the store transactions and ran
+  // slower). So g = 128 crosses lanes twice with one shuffle for two values, where the fp32
+  // stages (16-bit x) cross three times with one a value; 64 values a lane would cross once,
+  // but took 336 bytes of spills (bf16, under the 4 blocks' 64 registers). A warp whose group
+  // set has a group that is not exact runs those groups with the fp32 stages
+  // (tail_rotated_set).
+  static constexpr bool kExactTail =
+      ECHO_P2P_EXACT_UNROTATE && ROT && !COMP && BITS == 4 && G <= 128;
+  static constexpr int kXVals = G < 32 ? G : 32;  // values a lane
+  static constexpr int kXLanes = G / kXVals;      // lanes a group: 1 or 2
+  static constexpr int kXWords = kXVals / 8;      // 32-bit code words a lane: 4 or 8
+  static constexpr int kXGroups = 32 / kXLanes;   // groups a warp
+  static_assert(!kExactTail || kXGroups % kGpw == 0, "whole fp32 group sets in an exact set");
+
+  // Bit 8 i + t: value 8 (kXLanes i + j) + t of the group has s = -1 (lane j's of the exact
+  // tail).
+  using XMask = std::conditional_t<(kXVals > 32), uint64_t, uint32_t>;
+  __device__ static XMask* exact_sign_masks() {
+    __shared__ XMask masks[kXLanes];
+    return masks;
+  }
+
+  __device__ static void tail_exact(const KernelArgs& a, int seg, int64_t first, int count,
+                                    int64_t local0, int warp, int warps, int lane,
+                                    const uint8_t* slot, const uint16_t* prm) {
+    const int j = lane % kXLanes;
+    const XMask neg = exact_sign_masks()[j];
+    const uint32_t sm = sign_mask(lane % kLanes);  // the fp32 stages'
+    const float f = a.rot_scale;
+    for (int q0 = warp * kXGroups; q0 < count; q0 += warps * kXGroups) {
+      const int q = q0 + lane / kXLanes;
       const bool valid = q < count;
       const int64_t local = local0 + q;
-      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
-      const DequantParams d =
-          valid ? fast::decoder_of<BITS>(fast::load_wire(prm, local, a.policy), a.policy)
-                : DequantParams{0.0f, 0.0f};
-      uint2 words[kLoads];
-#pragma unroll
-      for (int k = 0; k < kLoads; ++k)
-        words[k] = valid ? fast::load_piece_word<kVec, BITS>(slot + piece_byte(local, j, k))
-                         : make_uint2(0, 0);
-      float y[kLoads][kVec];
-#pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
-        uint32_t codes[kVec];
-        fast::unpack_piece_codes<kVec, BITS>(words[k], codes);
-#pragma unroll
-        for (int t = 0; t < kVec; ++t) y[k][t] = fast::decode_fast(codes[t], d);
+      const fast::ExactDecoder d =
+          fast::exact_decoder(valid ? fast::load_wire(prm, local, a.policy) : 0u, a.policy);
+      if (!__all_sync(0xffffffffu, d.ok || !valid)) {
+        for (int q1 = q0; q1 < q0 + kXGroups; q1 += kGpw)
+          tail_rotated_set(a, seg, first, count, local0, q1, lane, slot, prm, sm);
+        continue;
       }
-      unrotate_group(y, j, sm, a.rot_scale);
-      if (!valid) continue;
+      uint32_t w[kXWords];
+      const unsigned* src = reinterpret_cast<const unsigned*>(slot + local * kCodeBytes) + j;
 #pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
-        UpdateIn in;
-        load_update(a, e0 + L::index(j, k, 0), in);
-        store_output(a, e0 + L::index(j, k, 0), y[k], in);
+      for (int i = 0; i < kXWords; ++i) w[i] = valid ? __ldcg(src + kXLanes * i) : 0u;
+      __half2 r[kXWords][4];
+#pragma unroll
+      for (int i = 0; i < kXWords; ++i) fast::exact_decode_word(w[i], d, r[i]);
+      fast::exact_stages_in_lane<kXWords>(r);
+      fast::exact_stages_across_lanes<kXLanes, kXWords>(r, j);
+      if (!valid) continue;
+      const float s = d.s, neg_s = -d.s;
+      const int64_t e0 = (seg * a.seg_groups + first + q) * G + 8 * j;
+#pragma unroll
+      for (int i = 0; i < kXWords; ++i) {
+        float y[8];
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          const float2 v = __half22float2(r[i][p]);
+          y[p] = v.x;
+          y[p + 4] = v.y;
+        }
+#pragma unroll
+        for (int t = 0; t < 8; ++t)  // (s I) (+-f): s I exact, the one rounding the reference's
+          y[t] = mul_rn(mul_rn(y[t], ((neg >> (8 * i + t)) & 1u) ? neg_s : s), f);
+        UpdateIn in;  // unused: uncompensated
+#pragma unroll
+        for (int t = 0; t < 8; t += kVec) store_output(a, e0 + 8 * kXLanes * i + t, y + t, in);
       }
     }
   }
@@ -1209,7 +1298,9 @@ struct FastStages {
                               int64_t local0, int warp, int warps, int lane) {
     const uint8_t* slot = a.ws[a.me] + gather_slot(seg, a.P, a.slot_bytes);
     const uint16_t* prm = reinterpret_cast<const uint16_t*>(slot + a.params_offset);
-    if constexpr (ROT) {
+    if constexpr (kExactTail) {
+      tail_exact(a, seg, first, count, local0, warp, warps, lane, slot, prm);
+    } else if constexpr (ROT) {
       tail_rotated(a, seg, first, count, local0, warp, warps, lane, slot, prm);
     } else if constexpr (LOCAL) {  // y alone: LP's two pieces a lane
       tail_plain<LP::kLoads, LP::kLanes>(a, seg, first, count, local0, warp, warps, lane, slot,

@@ -89,6 +89,12 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_WHOLE_SETS
 #define ECHO_P2P_WHOLE_SETS 1
 #endif
+// ECHO_P2P_EXACT_UNROTATE: the uncompensated rotated 4-bit tail (g <= 128) rotates a group back
+// in fp16 pairs, exact in integers, wherever its zero point allows (FastStages::tail_exact; the
+// same bits).
+#ifndef ECHO_P2P_EXACT_UNROTATE
+#define ECHO_P2P_EXACT_UNROTATE 1
+#endif
 
 // Error codes written to the host-mapped error word (1 + stage * 256 + peer).
 enum Stage : int { kStagePush = 0, kStageGather = 1 };
