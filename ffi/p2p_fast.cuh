@@ -102,10 +102,10 @@ struct FastStages {
         sign_masks()[threadIdx.x] = fast::hadamard_sign_mask<L>(threadIdx.x);
       if constexpr (kExactTail) {
         if (threadIdx.x < kXLanes) {
-          XMask m = 0;
+          uint32_t m = 0;
           for (int u = 0; u < kXVals; ++u)
             if (hadamard_sign_negative(8 * (kXLanes * (u / 8) + threadIdx.x) + u % 8))
-              m |= XMask{1} << u;
+              m |= 1u << u;
           exact_sign_masks()[threadIdx.x] = m;
         }
       }
@@ -1222,25 +1222,24 @@ struct FastStages {
   // The tail's inverse rotation in exact fp16 pairs (fast::ExactDecoder says when it is exact):
   // 4-bit codes, g <= 128, the uncompensated call. A lane holds kXVals values of a group, word
   // i of them the 8 values 8 (kXLanes i + j) .. of lane j: the group's lanes store 16-byte
-  // words side by side (a lane's values in one run took twice the store transactions and ran
-  // slower). So g = 128 crosses lanes twice with one shuffle for two values, where the fp32
-  // stages (16-bit x) cross three times with one a value; 64 values a lane would cross once,
-  // but took 336 bytes of spills (bf16, under the 4 blocks' 64 registers). A warp whose group
-  // set has a group that is not exact runs those groups with the fp32 stages
-  // (tail_rotated_set).
+  // words side by side (a lane's 32 values as one run of the group, each store half of a
+  // 32-byte sector, ran slower; docs/gpu.md). So g = 128 crosses lanes twice with one shuffle
+  // for two values, where the fp32 stages (16-bit x) cross three times with one a value; 64
+  // values a lane would cross once, but took 336 bytes of spills (bf16, under the 4 blocks' 64
+  // registers). A warp whose group set has a group that is not exact runs those groups with
+  // the fp32 stages (tail_rotated_set).
   static constexpr bool kExactTail =
       ECHO_P2P_EXACT_UNROTATE && ROT && !COMP && BITS == 4 && G <= 128;
-  static constexpr int kXVals = G < 32 ? G : 32;  // values a lane
-  static constexpr int kXLanes = G / kXVals;      // lanes a group: 1 or 2
-  static constexpr int kXWords = kXVals / 8;      // 32-bit code words a lane: 4 or 8
+  static constexpr int kXVals = 32;              // values a lane
+  static constexpr int kXLanes = G / kXVals;      // lanes a group: 1, 2 or 4 (g = 32 .. 128)
+  static constexpr int kXWords = kXVals / 8;      // 32-bit code words a lane
   static constexpr int kXGroups = 32 / kXLanes;   // groups a warp
   static_assert(!kExactTail || kXGroups % kGpw == 0, "whole fp32 group sets in an exact set");
 
   // Bit 8 i + t: value 8 (kXLanes i + j) + t of the group has s = -1 (lane j's of the exact
   // tail).
-  using XMask = std::conditional_t<(kXVals > 32), uint64_t, uint32_t>;
-  __device__ static XMask* exact_sign_masks() {
-    __shared__ XMask masks[kXLanes];
+  __device__ static uint32_t* exact_sign_masks() {
+    __shared__ uint32_t masks[kXLanes];
     return masks;
   }
 
@@ -1248,7 +1247,7 @@ struct FastStages {
                                     int64_t local0, int warp, int warps, int lane,
                                     const uint8_t* slot, const uint16_t* prm) {
     const int j = lane % kXLanes;
-    const XMask neg = exact_sign_masks()[j];
+    const uint32_t neg = exact_sign_masks()[j];
     const uint32_t sm = sign_mask(lane % kLanes);  // the fp32 stages'
     const float f = a.rot_scale;
     for (int q0 = warp * kXGroups; q0 < count; q0 += warps * kXGroups) {

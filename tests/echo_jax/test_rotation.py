@@ -71,6 +71,46 @@ def test_signs_are_fixed_and_identical_across_calls():
     assert_same_bits(jax.jit(jax.vmap(lambda v: ej.hadamard_rotate(v, 128)))(x), eager)
 
 
+@pytest.mark.parametrize("policy", ["asym", "sym", "asym_naive"])
+def test_unrotating_a_decoded_4bit_group_is_exact_in_integers(policy):
+    # The CUDA tail's exact path (ffi/fast_io.cuh, ExactDecoder) rests on this identity of the
+    # reference: a 4-bit group whose zero point z is an integer in [0, 15] and whose scale s is
+    # below 2^117 rotates back to (s I) (+-f) with I = H (c - z) in integers, rounded once;
+    # I stays within fp16's exact integers. Checked against int64 arithmetic, groups over the
+    # fp32 range.
+    from echo_jax import quant
+    g, blocks = 128, 400
+    rng = np.random.default_rng(7)
+    scale = 10.0 ** rng.uniform(-29, 33, (blocks, 1))
+    x = rng.standard_normal((blocks, g)) * scale
+    signs = ej.hadamard_signs(g).astype(np.float64)
+    x[0] = -3.0 * signs                         # rotated: one negative value, the rest 0
+    x[1] = 3.0 * signs                          # one positive value: z = -0
+    x[2] *= 1e37 / scale[2]                     # s >= 2^117
+    xr = ej.hadamard_rotate(jnp.asarray(x.astype(np.float32)).reshape(-1), g).reshape(blocks, g)
+    packed, params = quant.quantize_groups(xr, 4, policy)
+    decoded = quant.dequantize_groups(packed, params, 4, policy)
+    want = np.asarray(ej.hadamard_unrotate(decoded.reshape(-1), g)).reshape(blocks, g)
+    codes = np.asarray(quant.unpack_codes(packed, 4)).astype(np.int64)
+    s = np.asarray(quant.group_scales(params))[:, :1]
+    z = np.float32(8) if policy == "sym" else np.asarray(quant.group_zero_points(params))[:, :1]
+    z = np.broadcast_to(z, s.shape)
+    exact = ((s > 0) & (s < np.float32(2.0 ** 117)) & (z >= 0) & (z <= 15) & (z == np.round(z)))
+    rows = exact[:, 0]
+    ints = (codes[rows] - z[rows].astype(np.int64)) @ sylvester(g).astype(np.int64).T
+    assert np.abs(ints).max() <= 2048
+    f = np.float32(1.0 / np.sqrt(g))
+    signed_s = (s[rows] * ej.hadamard_signs(g)).astype(np.float32)   # +-s, exact
+    got = (ints.astype(np.float32) * signed_s) * f                    # s I exact, one rounding
+    assert_same_bits(got, want[rows])
+    # Rotated sums straddle 0, so every other group is exact with asym and sym; asym_naive's
+    # zero point is an integer only by chance. Row 0's range ends at 0, so its zero point is
+    # -lo / s, not an integer (asym); row 1's is -0; row 2's scale is too large.
+    assert not rows[2] and rows[1] and rows[0] == (policy == "sym")
+    if policy != "asym_naive":
+        assert rows[3:].all()
+
+
 def test_transform_errors():
     with pytest.raises(ValueError, match="power of two"):
         ej.hadamard_rotate(jnp.ones(96), 96)
