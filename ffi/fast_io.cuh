@@ -249,8 +249,8 @@ __device__ __forceinline__ uint32_t load_wire(const uint16_t* params, int64_t lo
 // values that cancel). So the reference's stages give s I, I = H (c - z), whatever their order,
 // and I is exact in fp16 (integers up to 2048): the stages can run on two values a register
 // (half2), half the instructions and half the shuffles of fp32, and y = (s I) (+-f) keeps the
-// reference's one rounding. A group that is not so (its range on one side of 0, a constant or
-// non-finite group, s >= 2^117) takes the fp32 stages.
+// reference's one rounding. A group that is not so (a fractional zero point, as most ranges on
+// one side of 0 give; a constant or non-finite group; s >= 2^117) takes the fp32 stages.
 struct ExactDecoder {
   __half2 z1024;     // 1024 + z in both halves
   __half2 neg_z64;   // -(64 + z) in both halves
