@@ -100,14 +100,13 @@ struct FastStages {
     if constexpr (ROT) {
       if (threadIdx.x < kLanes)
         sign_masks()[threadIdx.x] = fast::hadamard_sign_mask<L>(threadIdx.x);
+      if constexpr (kWidePush) {
+        if (threadIdx.x < LW::kLanes)
+          push_sign_masks()[threadIdx.x] = fast::hadamard_sign_mask<LW>(threadIdx.x);
+      }
       if constexpr (kExactTail) {
-        if (threadIdx.x < kXLanes) {
-          uint32_t m = 0;
-          for (int u = 0; u < kXVals; ++u)
-            if (hadamard_sign_negative(8 * (kXLanes * (u / 8) + threadIdx.x) + u % 8))
-              m |= 1u << u;
-          exact_sign_masks()[threadIdx.x] = m;
-        }
+        if (threadIdx.x < kXLanes)
+          exact_sign_masks()[threadIdx.x] = fast::hadamard_sign_mask<LX>(threadIdx.x);
       }
     }
   }
@@ -208,8 +207,21 @@ struct FastStages {
   // state_value. (Odd elements' nibbles taken in place, 16 (q + 8), times s / 16, would save
   // a shift a value, but the extra scale took the bf16 instances to 12-20 bytes of spills at
   // their 80 registers; ptxas, sm_90a.)
+  // ECHO_P2P_NIBBLE_BYTES: the even and the odd nibbles of a word are first spread into the
+  // bytes of two words (three logic ops a word), so that each value takes one byte permute, as
+  // the int8 codes do, where a shift and a logic op a value took two.
   __device__ __forceinline__ static void nibbles_to_values(uint32_t w, float s, float* v) {
     const uint32_t u = w ^ 0x88888888u;
+    if constexpr (ECHO_P2P_NIBBLE_BYTES) {
+      const uint32_t even = u & 0x0F0F0F0Fu, odd = (u >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        const float biased =
+            __uint_as_float(__byte_perm(t % 2 ? odd : even, 0x4B000000u, 0x7540u + t / 2));
+        v[t] = mul_rn(sub_rn(biased, 8388616.0f), s);
+      }
+      return;
+    }
 #pragma unroll
     for (int t = 0; t < kVec; ++t) {
       const float biased = __uint_as_float(((u >> (4 * t)) & 0x0Fu) | 0x4B000000u);
@@ -961,6 +973,24 @@ struct FastStages {
     update_local_average<false, kWhole>(a, e0, n, j, v, c2, s2);
   }
 
+  // The rotated uncompensated 4-bit push of 16-bit x, g = 64 or 128, takes four pieces a lane
+  // (LW): a 128-group is then 4 lanes and crosses lanes twice in the forward rotation, not three
+  // times (two pieces, 8 lanes), with the same stage order, so the same bits (the wire's piece
+  // bytes follow the values, piece_byte). Not g = 256 (bf16: 104 bytes of spills a thread under
+  // the 4 blocks' 64 registers) nor 8 bits (fp16, g = 128: 100 bytes; ptxas, sm_90a).
+  static constexpr bool kWidePush = ECHO_P2P_ROT_PUSH_WIDE && ROT && !COMP && BITS == 4 &&
+                                    sizeof(T) == 2 && (G == 64 || G == 128);
+  using LW = fast::QuantLayout<T, G, fast::lanes_for_loads<T, G, 4>()>;
+  using LPush = std::conditional_t<kWidePush, LW, L>;
+  __device__ static uint32_t* push_sign_masks() {
+    if constexpr (kWidePush) {
+      __shared__ uint32_t masks[LW::kLanes];
+      return masks;
+    } else {
+      return sign_masks();
+    }
+  }
+
   // push: quantize the tile's groups of segment seg into owner seg's push slot for this rank.
   __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
@@ -972,37 +1002,45 @@ struct FastStages {
       push_local(a, seg, first, count, local0, warp, warps, lane);
       return;
     }
-    const int j = lane % kLanes;
-    const uint32_t sm = sign_mask(j);
+    push_groups<LPush>(a, seg, first, count, local0, warp, warps, lane);
+  }
+  // The push of the groups in layout LP (L, or LW for kWidePush).
+  template <class LP>
+  __device__ static void push_groups(const KernelArgs& a, int seg, int64_t first, int count,
+                                     int64_t local0, int warp, int warps, int lane) {
+    constexpr int kLd = LP::kLoads, kLn = LP::kLanes, kGw = LP::kGroupsPerWarp;
+    const int j = lane % kLn;
+    const uint32_t sm = ROT ? push_sign_masks()[j] : 0u;
     uint8_t* slot = a.ws[seg] + push_slot(a.me, a.slot_bytes);
     uint16_t* prm = reinterpret_cast<uint16_t*>(slot + a.params_offset);
     // q0 is the same for the 32 lanes of a warp, so every shuffle runs with the whole warp;
     // the lanes of a group past the tile's end compute on zeros and store nothing.
-    for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {
-      const int q = q0 + lane / kLanes;
+    for (int q0 = warp * kGw; q0 < count; q0 += warps * kGw) {
+      const int q = q0 + lane / kLn;
       const bool valid = q < count;
       const int64_t e0 = (seg * a.seg_groups + first + q) * G;
-      float v[kLoads][kVec];
+      float v[kLd][kVec];
 #pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
+      for (int k = 0; k < kLd; ++k) {
         if (valid) {
-          load_contrib(a, e0 + L::index(j, k, 0), v[k]);
+          load_contrib(a, e0 + LP::index(j, k, 0), v[k]);
         } else {
 #pragma unroll
           for (int t = 0; t < kVec; ++t) v[k][t] = 0.0f;
         }
       }
-      if constexpr (ROT) rotate_group(v, j, sm, a.rot_scale);
+      if constexpr (ROT) fast::hadamard_rotate<LP, !COMP>(v, j, sm, a.rot_scale);
       uint32_t wire;
-      const fast::Encoder enc = group_encoder(a, v, &wire);
+      const fast::Encoder enc = group_encoder<kLd, kLn>(a, v, &wire);
       if (!valid) continue;
       if (j == 0) fast::store_wire(prm, local0 + q, a.policy, wire);
 #pragma unroll
-      for (int k = 0; k < kLoads; ++k) {
+      for (int k = 0; k < kLd; ++k) {
         uint32_t codes[kVec];
 #pragma unroll
         for (int t = 0; t < kVec; ++t) codes[t] = fast::encode<BITS>(v[k][t], enc);
-        fast::store_piece<kVec, BITS>(slot + piece_byte(local0 + q, j, k), codes, enc.mask);
+        fast::store_piece<kVec, BITS>(slot + piece_byte<kLn>(local0 + q, j, k), codes,
+                                      enc.mask);
       }
     }
   }
@@ -1230,14 +1268,17 @@ struct FastStages {
   // the fp32 stages (tail_rotated_set).
   static constexpr bool kExactTail =
       ECHO_P2P_EXACT_UNROTATE && ROT && !COMP && BITS == 4 && G <= 128;
-  static constexpr int kXVals = 32;              // values a lane
-  static constexpr int kXLanes = G / kXVals;      // lanes a group: 1, 2 or 4 (g = 32 .. 128)
-  static constexpr int kXWords = kXVals / 8;      // 32-bit code words a lane
-  static constexpr int kXGroups = 32 / kXLanes;   // groups a warp
+  static constexpr int kXVals = 32;  // values a lane
+  // Pieces of 8 values (one 32-bit word of codes, one 16-byte store of 16-bit y), G / 32 lanes
+  // a group (1, 2 or 4 for g = 32 .. 128), 4 pieces a lane.
+  using LX = fast::QuantLayout<__half, G, (G >= kXVals ? G / kXVals : 1)>;
+  static constexpr int kXLanes = LX::kLanes;            // lanes a group
+  static constexpr int kXWords = LX::kLoads;            // 32-bit code words a lane
+  static constexpr int kXGroups = LX::kGroupsPerWarp;   // groups a warp
+  static_assert(!kExactTail || LX::kValuesPerLane == kXVals, "32 values a lane");
   static_assert(!kExactTail || kXGroups % kGpw == 0, "whole fp32 group sets in an exact set");
 
-  // Bit 8 i + t: value 8 (kXLanes i + j) + t of the group has s = -1 (lane j's of the exact
-  // tail).
+  // Lane j's sign mask in the exact tail's layout (bit 8 i + t: value LX::index(j, i, t)).
   __device__ static uint32_t* exact_sign_masks() {
     __shared__ uint32_t masks[kXLanes];
     return masks;
@@ -1262,9 +1303,9 @@ struct FastStages {
         continue;
       }
       uint32_t w[kXWords];
-      const unsigned* src = reinterpret_cast<const unsigned*>(slot + local * kCodeBytes) + j;
+      const unsigned* src = reinterpret_cast<const unsigned*>(slot + local * kCodeBytes);
 #pragma unroll
-      for (int i = 0; i < kXWords; ++i) w[i] = valid ? __ldcg(src + kXLanes * i) : 0u;
+      for (int i = 0; i < kXWords; ++i) w[i] = valid ? __ldcg(src + LX::index(j, i, 0) / 8) : 0u;
       __half2 r[kXWords][4];
 #pragma unroll
       for (int i = 0; i < kXWords; ++i) fast::exact_decode_word(w[i], d, r[i]);
@@ -1272,7 +1313,7 @@ struct FastStages {
       fast::exact_stages_across_lanes<kXLanes, kXWords>(r, j);
       if (!valid) continue;
       const float s = d.s, neg_s = -d.s;
-      const int64_t e0 = (seg * a.seg_groups + first + q) * G + 8 * j;
+      const int64_t e0 = (seg * a.seg_groups + first + q) * G;
 #pragma unroll
       for (int i = 0; i < kXWords; ++i) {
         float y[8];
@@ -1287,7 +1328,7 @@ struct FastStages {
           y[t] = mul_rn(mul_rn(y[t], ((neg >> (8 * i + t)) & 1u) ? neg_s : s), f);
         UpdateIn in;  // unused: uncompensated
 #pragma unroll
-        for (int t = 0; t < 8; t += kVec) store_output(a, e0 + 8 * kXLanes * i + t, y + t, in);
+        for (int t = 0; t < 8; t += kVec) store_output(a, e0 + LX::index(j, i, t), y + t, in);
       }
     }
   }

@@ -96,6 +96,19 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #define ECHO_P2P_EXACT_UNROTATE 1
 #endif
 
+// ECHO_P2P_ROT_PUSH_WIDE: the rotated uncompensated push of 16-bit x, g = 64 or 128, holds four
+// pieces a lane, so the forward rotation crosses lanes once less (FastStages::kWidePush; the
+// same bits).
+#ifndef ECHO_P2P_ROT_PUSH_WIDE
+#define ECHO_P2P_ROT_PUSH_WIDE 1
+#endif
+
+// ECHO_P2P_NIBBLE_BYTES: the int4 state's codes decode with a byte permute a value
+// (FastStages::nibbles_to_values; the same bits).
+#ifndef ECHO_P2P_NIBBLE_BYTES
+#define ECHO_P2P_NIBBLE_BYTES 1
+#endif
+
 // Error codes written to the host-mapped error word (1 + stage * 256 + peer).
 enum Stage : int { kStagePush = 0, kStageGather = 1 };
 
