@@ -1059,54 +1059,19 @@ struct FastStages {
                          a.policy, wire);
     }
     const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
-    // The exact inverse (tail_exact's) where every group of the warp's set allows it.
-    bool exact = false;
-    if constexpr (kExactReduceOut) {
-      exact = __all_sync(0xffffffffu, fast::exact_decoder(wire, a.policy).ok || !valid);
-    }
     float y[kLoads][kVec];
-    uint32_t words[kLoads];  // the 8 codes of a piece, code t at bits 4 t (kExactReduceOut)
 #pragma unroll
     for (int k = 0; k < kLoads; ++k) {
       uint32_t codes[kVec];
-      words[k] = 0u;
 #pragma unroll
       for (int t = 0; t < kVec; ++t) {
         codes[t] = fast::encode<BITS>(acc[k][t], enc) & enc.mask;
         y[k][t] = fast::decode_fast(codes[t], d);
-        if constexpr (kExactReduceOut) words[k] |= codes[t] << (4 * t);
       }
       if (valid) {
         for (int r = 0; r < a.P; ++r)
           fast::store_piece<kVec, BITS>(a.ws[r] + gather + piece_byte(local, j, k), codes,
                                         0xFFFFFFFFu);
-      }
-    }
-    if constexpr (kExactReduceOut) {
-      if (exact) {
-        const fast::ExactDecoder dx = fast::exact_decoder(wire, a.policy);
-        __half2 r[kLoads][4];
-#pragma unroll
-        for (int k = 0; k < kLoads; ++k) fast::exact_decode_word(words[k], dx, r[k]);
-        fast::exact_stages_in_lane<kLoads>(r);
-        fast::exact_stages_across_lanes<kLanes, kLoads>(r, j);
-        if (!valid) return;
-        const float s = dx.s, neg_s = -dx.s, f = a.rot_scale;
-#pragma unroll
-        for (int k = 0; k < kLoads; ++k) {
-#pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            const float2 v = __half22float2(r[k][p]);
-            y[k][p] = v.x;
-            y[k][p + 4] = v.y;
-          }
-#pragma unroll
-          for (int t = 0; t < kVec; ++t)  // (s I) (+-f), as tail_exact
-            y[k][t] = mul_rn(mul_rn(y[k][t], ((sm_out >> (k * kVec + t)) & 1u) ? neg_s : s), f);
-          UpdateIn in;  // unused: uncompensated
-          store_output(a, e0 + L::index(j, k, 0), y[k], in);
-        }
-        return;
       }
     }
     unrotate_group(y, j, sm_out, a.rot_scale);
@@ -1311,10 +1276,6 @@ struct FastStages {
   static constexpr int kXWords = LX::kLoads;            // 32-bit code words a lane
   static constexpr int kXGroups = LX::kGroupsPerWarp;   // groups a warp
   static_assert(!kExactTail || LX::kValuesPerLane == kXVals, "32 values a lane");
-  // The reduce's own output in exact fp16 pairs too (reduce_rotated_output), in L's layout:
-  // with 16-bit x a piece is 8 values, one 32-bit word of codes, as the exact tail's.
-  static constexpr bool kExactReduceOut =
-      ECHO_P2P_EXACT_REDUCE_OUT && kExactTail && kVec == 8;
   static_assert(!kExactTail || kXGroups % kGpw == 0, "whole fp32 group sets in an exact set");
 
   // Lane j's sign mask in the exact tail's layout (bit 8 i + t: value LX::index(j, i, t)).

@@ -96,11 +96,6 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #define ECHO_P2P_EXACT_UNROTATE 1
 #endif
 
-// ECHO_P2P_EXACT_REDUCE_OUT: with it, the reduce's own output of 16-bit x rotates back the same
-// way (FastStages::reduce_rotated_output; the same bits).
-#ifndef ECHO_P2P_EXACT_REDUCE_OUT
-#define ECHO_P2P_EXACT_REDUCE_OUT 1
-#endif
 // ECHO_P2P_ROT_PUSH_WIDE: the rotated uncompensated push of 16-bit x, g = 64 or 128, holds four
 // pieces a lane, so the forward rotation crosses lanes once less (FastStages::kWidePush; the
 // same bits).
