@@ -54,9 +54,10 @@ struct FastStages {
   // the extra resident blocks pay; the same in the rotated compensated 16-bit instances
   // (121-127 -> 80 registers, 2 -> 3 blocks an SM). The uncompensated 16-bit instances keep two:
   // with one they were slower, rotated too despite 80 -> 48 registers (docs/gpu.md).
-  // Four in the uncompensated rotated instances would take one shuffle stage a rotation away
-  // (8 lanes a 128-group in fp32), but ptxas gave fp32 104-110 registers (64 with two) and the
-  // 16-bit ones 650-750 bytes of spills under their 4-blocks bound (sm_90a; not timed).
+  // Four in every stage of the uncompensated rotated instances would take one shuffle stage a
+  // rotation away (8 lanes a 128-group in fp32), but ptxas gave fp32 104-110 registers (64 with
+  // two) and the 16-bit ones 650-750 bytes of spills under their 4-blocks bound (sm_90a; not
+  // timed); the 4-bit push of 16-bit x alone takes four (kWidePush).
   // The int8 state: one load a lane too, so that a lane's piece is its whole share of the group
   // whose scale it helps to set (store_state_pair).
   static constexpr bool kStateQ8 = std::is_same_v<S, int8_t>;
