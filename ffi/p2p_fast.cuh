@@ -71,7 +71,7 @@ struct FastStages {
   static constexpr int kGpw = L::kGroupsPerWarp;
   static constexpr int kPieceBytes = kVec * BITS / 8;
   static constexpr int kCodeBytes = G * BITS / 8;
-  // Blocks of kThreads an SM that ptxas must fit (__launch_bounds__; kernel_of), uncompensated
+  // Blocks of kBlockThreads an SM that ptxas must fit (__launch_bounds__; kernel_of), uncompensated
   // instances (ECHO_P2P_MIN_BLOCKS_32 / _16, rotated: _ROT_32 / _ROT_16), the applied call's
   // unrotated 16-bit ones (_APPLIED_16) and the int8 state's fp32-x and rotated ones (_Q8);
   // 1: no bound.
@@ -81,6 +81,14 @@ struct FastStages {
               : !UPDATE && !ROT && sizeof(T) == 2 ? ECHO_P2P_MIN_BLOCKS_APPLIED_16 : 1)
       : ROT ? (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_ROT_32 : ECHO_P2P_MIN_BLOCKS_ROT_16)
             : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);
+  // Threads a block (__launch_bounds__' first argument; the launch reads it back from the
+  // kernel): kThreads but where a build sets ECHO_P2P_THREADS_ROT_16 / _LOCAL_16.
+  static constexpr int kBlockThreads =
+      sizeof(T) == 2 && !COMP && ROT  ? ECHO_P2P_THREADS_ROT_16
+      : sizeof(T) == 2 && LOCAL && !ROT ? ECHO_P2P_THREADS_LOCAL_16
+                                        : kThreads;
+  static_assert(kBlockThreads % 32 == 0 && kBlockThreads >= 64 && kBlockThreads <= kThreads,
+                "ECHO_P2P_THREADS_*: a multiple of 32 in [64, kThreads]");
 
   __device__ __forceinline__ static void rotate_group(float (&v)[kLoads][kVec], int j,
                                                      uint32_t sm, float f) {

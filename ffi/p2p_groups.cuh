@@ -69,6 +69,7 @@ struct LaunchPlan {
   int chunk_tiles = 0;
   int64_t params_offset = 0;
   int grid = 1;
+  int threads = kThreads;  // a block's (launch_threads)
 };
 
 struct Group {
@@ -82,7 +83,6 @@ struct Group {
   std::vector<cudaStream_t> streams;  // virtual ranks: one stream per rank
   cudaEvent_t fork = nullptr;
   std::vector<cudaEvent_t> joins;
-  std::vector<int> max_resident;      // blocks of kThreads resident per device
   std::map<std::tuple<const void*, int, int, int, int64_t>, LaunchPlan> plans;  // the schedule cache
   int registered = 0;
   bool broken = false;
@@ -101,10 +101,19 @@ Group* get_group(const std::string& key) {
   return slot.get();
 }
 
-// Blocks of kThreads of `kernel` resident on `device` at once (all SMs).
-int resident_blocks(const void* kernel, int device) {
+// The threads a block of `kernel` takes (*threads): its __launch_bounds__' first argument
+// (Stages::kBlockThreads), which the runtime reports as the kernel's largest block.
+cudaError_t launch_threads(const void* kernel, int* threads) {
+  cudaFuncAttributes attr{};
+  const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
+  *threads = std::clamp(attr.maxThreadsPerBlock / kWarp * kWarp, kWarp, kThreads);
+  return e;
+}
+
+// Blocks of `threads` threads of `kernel` resident on `device` at once (all SMs).
+int resident_blocks(const void* kernel, int device, int threads) {
   int per_sm = 0, sms = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   return std::max(1, per_sm) * std::max(1, sms);
 }
@@ -161,8 +170,10 @@ std::string describe_error(int code, int rank) {
          " (a peer never arrived); the group's workspace is no longer usable in this process";
 }
 
-LaunchPlan make_plan(const Group& grp, const CallAttrs& at, int64_t seg_groups, int resident) {
+LaunchPlan make_plan(const Group& grp, const CallAttrs& at, int64_t seg_groups, int resident,
+                     int threads) {
   LaunchPlan pl;
+  pl.threads = threads;
   static const int64_t tile_values =
       std::max<int64_t>(1, env_int("ECHO_JAX_P2P_TILE_VALUES", kTileValues));
   const int max_tg = static_cast<int>(std::max<int64_t>(1, tile_values / at.g));
@@ -194,10 +205,12 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
     std::lock_guard<std::mutex> lock(grp.mu);
     auto it = grp.plans.find(key);
     if (it == grp.plans.end()) {
-      const int resident = std::max(
-          1, resident_blocks(reinterpret_cast<const void*>(kernel), grp.devices[rank]) /
-                 ranks_on_device);
-      it = grp.plans.emplace(key, make_plan(grp, at, seg_groups, resident)).first;
+      const void* k = reinterpret_cast<const void*>(kernel);
+      int threads = kThreads;
+      ECHO_CUDA_RETURN(launch_threads(k, &threads), "cudaFuncGetAttributes");
+      const int resident =
+          std::max(1, resident_blocks(k, grp.devices[rank], threads) / ranks_on_device);
+      it = grp.plans.emplace(key, make_plan(grp, at, seg_groups, resident, threads)).first;
     }
     pl = it->second;
   }
@@ -221,7 +234,7 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
     a.tile0 = t0;
     a.chunk_tiles = static_cast<int>(std::min<int64_t>(pl.chunk_tiles, pl.tiles_per_segment - t0));
     a.base = 3 * (++grp.calls[rank]);
-    kernel<<<pl.grid, kThreads, 0, stream>>>(a);
+    kernel<<<pl.grid, pl.threads, 0, stream>>>(a);
   }
   ECHO_CUDA_RETURN(cudaGetLastError(), "kernel launch");
   return ffi::Error::Success();

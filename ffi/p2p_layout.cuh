@@ -67,6 +67,18 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_MIN_BLOCKS_Q8
 #define ECHO_P2P_MIN_BLOCKS_Q8 1
 #endif
+// Threads a block of the uncompensated rotated 16-bit instances (_ROT_16) and of the local
+// residual's 16-bit ones (_LOCAL_16): kThreads, or 128. Why 128: registers come in blocks, so
+// with 256 threads a bound of 56 registers still leaves 4 blocks (32 warps) an SM and one of 72
+// still 3 (24 warps), what 64 and 80 give; with 128 threads they give 9 blocks (36 warps) and 7
+// (28 warps). With 128, set the matching _MIN_BLOCKS_ (9 for 56 registers, 7 for 72). The
+// launch takes the size from the kernel (p2p_groups.cuh, launch_threads).
+#ifndef ECHO_P2P_THREADS_ROT_16
+#define ECHO_P2P_THREADS_ROT_16 kThreads
+#endif
+#ifndef ECHO_P2P_THREADS_LOCAL_16
+#define ECHO_P2P_THREADS_LOCAL_16 kThreads
+#endif
 // Arithmetic the int8 state's local-residual stages skip (bf16 and fp32 x; both exact, so every
 // setting gives the same bits): ECHO_P2P_FOLD_STATE_SCALE multiplies each coefficient of Eq. 10 /
 // 11 into a group's state scale once, so a state value's product with it is one multiply instead
