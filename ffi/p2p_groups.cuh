@@ -208,6 +208,13 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
       const void* k = reinterpret_cast<const void*>(kernel);
       int threads = kThreads;
       ECHO_CUDA_RETURN(launch_threads(k, &threads), "cudaFuncGetAttributes");
+#if ECHO_P2P_SMEM_SPILLS
+      // Spills in shared memory: all of it for shared memory, so that the occupancy query
+      // below and the launches see the same carveout (every block must be resident at once).
+      ECHO_CUDA_RETURN(cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            cudaSharedmemCarveoutMaxShared),
+                       "cudaFuncSetAttribute (shared memory carveout)");
+#endif
       const int resident =
           std::max(1, resident_blocks(k, grp.devices[rank], threads) / ranks_on_device);
       it = grp.plans.emplace(key, make_plan(grp, at, seg_groups, resident, threads)).first;

@@ -79,6 +79,13 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_THREADS_LOCAL_16
 #define ECHO_P2P_THREADS_LOCAL_16 kThreads
 #endif
+// 1: the bounded instances (kMinBlocks > 1, the ones whose bound makes ptxas spill) spill to
+// shared memory first (PTX .pragma "enable_smem_spilling", CUDA 13.0), where a spilled value is
+// a few cycles away instead of a round trip through L1 / L2. Their static shared memory grows
+// by the spills of a block, which the occupancy query (p2p_groups.cuh) counts. 0: local memory.
+#ifndef ECHO_P2P_SMEM_SPILLS
+#define ECHO_P2P_SMEM_SPILLS 0
+#endif
 // Arithmetic the int8 state's local-residual stages skip (bf16 and fp32 x; both exact, so every
 // setting gives the same bits): ECHO_P2P_FOLD_STATE_SCALE multiplies each coefficient of Eq. 10 /
 // 11 into a group's state scale once, so a state value's product with it is one multiply instead
