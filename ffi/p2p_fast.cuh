@@ -89,6 +89,10 @@ struct FastStages {
                                         : kThreads;
   static_assert(kBlockThreads % 32 == 0 && kBlockThreads >= 64 && kBlockThreads <= kThreads,
                 "ECHO_P2P_THREADS_*: a multiple of 32 in [64, kThreads]");
+  // Spills to shared memory (ECHO_P2P_SMEM_SPILLS; echo_allreduce_kernel_bounded): the
+  // uncompensated 16-bit instances, whose bounds make ptxas spill. Not the local residual's,
+  // which have no spills at their bound (the pragma alone changed their SASS).
+  static constexpr bool kSmemSpills = ECHO_P2P_SMEM_SPILLS && sizeof(T) == 2 && !COMP;
 
   __device__ __forceinline__ static void rotate_group(float (&v)[kLoads][kVec], int j,
                                                      uint32_t sm, float f) {

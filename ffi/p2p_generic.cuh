@@ -143,6 +143,7 @@ template <typename T, int VEC, bool COMP, bool UPDATE = COMP>
 struct GenericStages {
   static constexpr int kMinBlocks = 1;  // __launch_bounds__' second argument
   static constexpr int kBlockThreads = kThreads;  // its first
+  static constexpr bool kSmemSpills = false;
   __device__ static void setup() {}
   __device__ static void push(const KernelArgs& a, int seg, int64_t first, int count,
                               int64_t local0, int warp, int warps, int lane) {
@@ -169,6 +170,7 @@ struct RotatedGenericStages {
   static constexpr int VEC = 2;  // g >= 2 and even: two values a chunk (one byte of 4-bit codes)
   static constexpr int kMinBlocks = 1;
   static constexpr int kBlockThreads = kThreads;  // group_buffer: a buffer a warp
+  static constexpr bool kSmemSpills = false;
 
   __device__ static void setup() {}
 

@@ -101,12 +101,23 @@ Group* get_group(const std::string& key) {
   return slot.get();
 }
 
+// Static shared memory of a block from which the launch asks for the largest carveout: the
+// kernels that spill there (ECHO_P2P_SMEM_SPILLS: 3.6 KB and more) and the rotated generic
+// stages' buffers; the others take a few bytes.
+constexpr int kSharedCarveoutBytes = 2048;
+
 // The threads a block of `kernel` takes (*threads): its __launch_bounds__' first argument
-// (Stages::kBlockThreads), which the runtime reports as the kernel's largest block.
+// (Stages::kBlockThreads), which the runtime reports as the kernel's largest block. A kernel
+// with kSharedCarveoutBytes of shared memory or more asks for the largest shared-memory
+// carveout (with ECHO_P2P_SMEM_SPILLS), so that the occupancy query and the launches see the
+// same carveout: every block of the pipeline must be resident at once.
 cudaError_t launch_threads(const void* kernel, int* threads) {
   cudaFuncAttributes attr{};
-  const cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
+  cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
   *threads = std::clamp(attr.maxThreadsPerBlock / kWarp * kWarp, kWarp, kThreads);
+  if (e == cudaSuccess && ECHO_P2P_SMEM_SPILLS && attr.sharedSizeBytes >= kSharedCarveoutBytes)
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
   return e;
 }
 
@@ -207,14 +218,8 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
     if (it == grp.plans.end()) {
       const void* k = reinterpret_cast<const void*>(kernel);
       int threads = kThreads;
-      ECHO_CUDA_RETURN(launch_threads(k, &threads), "cudaFuncGetAttributes");
-#if ECHO_P2P_SMEM_SPILLS
-      // Spills in shared memory: all of it for shared memory, so that the occupancy query
-      // below and the launches see the same carveout (every block must be resident at once).
-      ECHO_CUDA_RETURN(cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                            cudaSharedmemCarveoutMaxShared),
-                       "cudaFuncSetAttribute (shared memory carveout)");
-#endif
+      ECHO_CUDA_RETURN(launch_threads(k, &threads),
+                       "cudaFuncGetAttributes / cudaFuncSetAttribute (shared memory carveout)");
       const int resident =
           std::max(1, resident_blocks(k, grp.devices[rank], threads) / ranks_on_device);
       it = grp.plans.emplace(key, make_plan(grp, at, seg_groups, resident, threads)).first;

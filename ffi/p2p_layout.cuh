@@ -27,24 +27,38 @@ constexpr int kMinTilesPerSegment = 64;
 constexpr int kMaxTiles = 16384;     // flag words per (peer, stage) in a workspace
 constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce stage
 // Blocks of kThreads an SM that ptxas must fit in the uncompensated unrotated fast instances
-// (FastStages::kMinBlocks; a build may override them): 6 (40 registers) for fp32, 5 (48) for
-// 16-bit x, against 5 (48) and 4 (64) that ptxas picks by itself; both spill a little. The
-// pipeline waits on memory with few bytes in flight a warp, so more resident warps pay, more
-// than the spills cost (docs/gpu.md, "Build-time choices").
+// (FastStages::kMinBlocks; a build may override them): 6 (40 registers) for fp32 and for 16-bit
+// x, against 5 (48) and 4 (64) that ptxas picks by itself; both spill (16-bit x to shared
+// memory, ECHO_P2P_SMEM_SPILLS). The pipeline waits on memory with few bytes in flight a warp,
+// so more resident warps pay, more than the spills cost (docs/gpu.md, "Build switches").
 #ifndef ECHO_P2P_MIN_BLOCKS_32
 #define ECHO_P2P_MIN_BLOCKS_32 6
 #endif
 #ifndef ECHO_P2P_MIN_BLOCKS_16
-#define ECHO_P2P_MIN_BLOCKS_16 5
+#define ECHO_P2P_MIN_BLOCKS_16 6
 #endif
-// The same for the uncompensated rotated instances: 16-bit x 4 blocks (64 registers) against
-// the 3 of ptxas' own 80, faster for the same reason; fp32 stays unbounded (5 blocks, 48
-// registers): a bound was not clearly better there.
+// Threads a block of the uncompensated rotated 16-bit instances (_ROT_16) and of the local
+// residual's 16-bit ones (_LOCAL_16): kThreads or 128. Why 128: registers are granted a block
+// at a time, so with 256 threads a bound of 56 registers still leaves 4 blocks (32 warps) an SM
+// and one of 72 still 3 (24 warps), what 64 and 80 give; with 128 threads they give 9 blocks
+// (36 warps) and 7 (28 warps). The launch takes the size from the kernel (p2p_groups.cuh,
+// launch_threads). The rotated ones take 128 (faster, docs/gpu.md); the local ones 256 (128
+// at 7 blocks was not faster).
+#ifndef ECHO_P2P_THREADS_ROT_16
+#define ECHO_P2P_THREADS_ROT_16 128
+#endif
+#ifndef ECHO_P2P_THREADS_LOCAL_16
+#define ECHO_P2P_THREADS_LOCAL_16 kThreads
+#endif
+// The same bound for the uncompensated rotated instances: 16-bit x 9 blocks of 128 threads (56
+// registers, 36 warps) or, with ECHO_P2P_THREADS_ROT_16=256, 4 blocks (64 registers) against the
+// 3 of ptxas' own 80; fp32 stays unbounded (5 blocks, 48 registers): a bound was not clearly
+// better there.
 #ifndef ECHO_P2P_MIN_BLOCKS_ROT_32
 #define ECHO_P2P_MIN_BLOCKS_ROT_32 1
 #endif
 #ifndef ECHO_P2P_MIN_BLOCKS_ROT_16
-#define ECHO_P2P_MIN_BLOCKS_ROT_16 4
+#define ECHO_P2P_MIN_BLOCKS_ROT_16 (ECHO_P2P_THREADS_ROT_16 == 128 ? 9 : 4)
 #endif
 // The applied call's unrotated 16-bit instances (EchoConfig.state_update = "separate"): ptxas
 // gives them 70-73 registers with an fp32 state (3 blocks an SM; 55 with a bf16 state) against
@@ -67,24 +81,14 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #ifndef ECHO_P2P_MIN_BLOCKS_Q8
 #define ECHO_P2P_MIN_BLOCKS_Q8 1
 #endif
-// Threads a block of the uncompensated rotated 16-bit instances (_ROT_16) and of the local
-// residual's 16-bit ones (_LOCAL_16): kThreads, or 128. Why 128: registers come in blocks, so
-// with 256 threads a bound of 56 registers still leaves 4 blocks (32 warps) an SM and one of 72
-// still 3 (24 warps), what 64 and 80 give; with 128 threads they give 9 blocks (36 warps) and 7
-// (28 warps). With 128, set the matching _MIN_BLOCKS_ (9 for 56 registers, 7 for 72). The
-// launch takes the size from the kernel (p2p_groups.cuh, launch_threads).
-#ifndef ECHO_P2P_THREADS_ROT_16
-#define ECHO_P2P_THREADS_ROT_16 kThreads
-#endif
-#ifndef ECHO_P2P_THREADS_LOCAL_16
-#define ECHO_P2P_THREADS_LOCAL_16 kThreads
-#endif
-// 1: the bounded instances (kMinBlocks > 1, the ones whose bound makes ptxas spill) spill to
-// shared memory first (PTX .pragma "enable_smem_spilling", CUDA 13.0), where a spilled value is
-// a few cycles away instead of a round trip through L1 / L2. Their static shared memory grows
-// by the spills of a block, which the occupancy query (p2p_groups.cuh) counts. 0: local memory.
+// 1: the bounded uncompensated 16-bit fast instances (their bounds make ptxas spill) spill
+// to shared memory first (PTX .pragma "enable_smem_spilling", CUDA 13.0), where a spilled value
+// is a few cycles away instead of a round trip through L1 / L2. Their static shared memory grows
+// by a block's spills (p2p4: 13 KB at 6 blocks; rotated: up to 9 KB at 9 blocks), which the
+// occupancy query counts; the launch asks for the largest shared-memory carveout for kernels
+// with that much (p2p_groups.cuh). 0: local memory (fp32 x always: its bounds were timed so).
 #ifndef ECHO_P2P_SMEM_SPILLS
-#define ECHO_P2P_SMEM_SPILLS 0
+#define ECHO_P2P_SMEM_SPILLS 1
 #endif
 // Arithmetic the int8 state's local-residual stages skip (bf16 and fp32 x; both exact, so every
 // setting gives the same bits): ECHO_P2P_FOLD_STATE_SCALE multiplies each coefficient of Eq. 10 /

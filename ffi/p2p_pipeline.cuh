@@ -110,9 +110,8 @@ __global__ void __launch_bounds__(Stages::kBlockThreads) echo_allreduce_kernel(K
 template <class Stages, typename T>
 __global__ void __launch_bounds__(Stages::kBlockThreads, Stages::kMinBlocks)
     echo_allreduce_kernel_bounded(KernelArgs a) {
-#if ECHO_P2P_SMEM_SPILLS
-  asm volatile(".pragma \"enable_smem_spilling\";");  // in the kernel's scope, as PTX asks
-#endif
+  if constexpr (Stages::kSmemSpills)  // ECHO_P2P_SMEM_SPILLS
+    asm volatile(".pragma \"enable_smem_spilling\";");  // in the kernel's scope, as PTX asks
   allreduce_pipeline<Stages, T>(a);
 }
 
