@@ -82,7 +82,7 @@ struct FastStages {
       : ROT ? (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_ROT_32 : ECHO_P2P_MIN_BLOCKS_ROT_16)
             : (sizeof(T) == 4 ? ECHO_P2P_MIN_BLOCKS_32 : ECHO_P2P_MIN_BLOCKS_16);
   // Threads a block (__launch_bounds__' first argument; the launch reads it back from the
-  // kernel): kThreads but where a build sets ECHO_P2P_THREADS_ROT_16 / _LOCAL_16.
+  // kernel): ECHO_P2P_THREADS_ROT_16 / _LOCAL_16 for those instances, kThreads for the others.
   static constexpr int kBlockThreads =
       sizeof(T) == 2 && !COMP && ROT  ? ECHO_P2P_THREADS_ROT_16
       : sizeof(T) == 2 && LOCAL && !ROT ? ECHO_P2P_THREADS_LOCAL_16

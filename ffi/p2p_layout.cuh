@@ -86,7 +86,8 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 // is a few cycles away instead of a round trip through L1 / L2. Their static shared memory grows
 // by a block's spills (p2p4: 13 KB at 6 blocks; rotated: up to 9 KB at 9 blocks), which the
 // occupancy query counts; the launch asks for the largest shared-memory carveout for kernels
-// with that much (p2p_groups.cuh). 0: local memory (fp32 x always: its bounds were timed so).
+// with that much (p2p_groups.cuh). 0: local memory, as fp32 x's and the compensated instances'
+// always (fp32 x's bounds were timed so; the local residual's have no spills at theirs).
 #ifndef ECHO_P2P_SMEM_SPILLS
 #define ECHO_P2P_SMEM_SPILLS 1
 #endif
