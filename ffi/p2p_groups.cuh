@@ -53,7 +53,12 @@ int64_t slot_bytes_from_env() { return std::max<int64_t>(1, env_int("ECHO_JAX_SL
 // A diagnostic for placing time inside the kernel without hardware counters:
 // ECHO_JAX_P2P_REPEAT_STAGE = push | reduce | tail runs that stage twice in every uncompensated
 // call (the same bytes written twice, so the result is unchanged); the time a call gains is the
-// stage's cost. Unset (or anything else): 0, each stage once. Read once a process.
+// stage's cost. Unset (or anything else): 0, each stage once. Read once a process. A build with
+// ECHO_P2P_REPEAT_COMP=1 runs it in compensated calls too, for their timing only (the state is
+// updated twice there, so the result and the state differ).
+#ifndef ECHO_P2P_REPEAT_COMP
+#define ECHO_P2P_REPEAT_COMP 0
+#endif
 int repeat_stage_from_env() {
   static const int stage = [] {
     const char* v = std::getenv("ECHO_JAX_P2P_REPEAT_STAGE");
@@ -69,7 +74,7 @@ struct LaunchPlan {
   int chunk_tiles = 0;
   int64_t params_offset = 0;
   int grid = 1;
-  int threads = kThreads;  // a block's (launch_threads)
+  int threads = kThreads;  // a block's (prepare_launch)
 };
 
 struct Group {
@@ -106,12 +111,13 @@ Group* get_group(const std::string& key) {
 // stages' buffers; the others take a few bytes.
 constexpr int kSharedCarveoutBytes = 2048;
 
-// The threads a block of `kernel` takes (*threads): its __launch_bounds__' first argument
-// (Stages::kBlockThreads), which the runtime reports as the kernel's largest block. A kernel
+// Prepares the first launch of `kernel` and returns the threads a block takes (*threads): its
+// __launch_bounds__' first argument (Stages::kBlockThreads), which the runtime reports as the
+// kernel's largest block. A kernel
 // with kSharedCarveoutBytes of shared memory or more asks for the largest shared-memory
 // carveout (with ECHO_P2P_SMEM_SPILLS), so that the occupancy query and the launches see the
 // same carveout: every block of the pipeline must be resident at once.
-cudaError_t launch_threads(const void* kernel, int* threads) {
+cudaError_t prepare_launch(const void* kernel, int* threads) {
   cudaFuncAttributes attr{};
   cudaError_t e = cudaFuncGetAttributes(&attr, kernel);
   *threads = std::clamp(attr.maxThreadsPerBlock / kWarp * kWarp, kWarp, kThreads);
@@ -218,7 +224,7 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
     if (it == grp.plans.end()) {
       const void* k = reinterpret_cast<const void*>(kernel);
       int threads = kThreads;
-      ECHO_CUDA_RETURN(launch_threads(k, &threads),
+      ECHO_CUDA_RETURN(prepare_launch(k, &threads),
                        "cudaFuncGetAttributes / cudaFuncSetAttribute (shared memory carveout)");
       const int resident =
           std::max(1, resident_blocks(k, grp.devices[rank], threads) / ranks_on_device);
@@ -239,7 +245,8 @@ ffi::Error launch(Group& grp, int rank, cudaStream_t stream, const CallAttrs& at
   a.aligned = aligned;
   a.state_bf16 = at.state_bf16;
   a.rot_scale = at.rotate ? hadamard_scale(at.g) : 1.0f;
-  a.twice = m1 == nullptr ? repeat_stage_from_env() : 0;  // a compensated update is not idempotent
+  // a compensated update is not idempotent: there only with ECHO_P2P_REPEAT_COMP (above)
+  a.twice = m1 == nullptr || ECHO_P2P_REPEAT_COMP ? repeat_stage_from_env() : 0;
   a.k = at.k;
   for (int r = 0; r < at.P; ++r) a.ws[r] = grp.ws[r];
   for (int64_t t0 = 0; t0 < pl.tiles_per_segment; t0 += pl.chunk_tiles) {

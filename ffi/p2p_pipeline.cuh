@@ -102,7 +102,7 @@ __device__ __forceinline__ void allreduce_pipeline(const KernelArgs& a) {
 // 80 -> 104 a thread, g = 128). So only the instances whose Stages::kMinBlocks asks for more than
 // one block an SM get one (echo_allreduce_kernel_bounded).
 // Both take Stages::kBlockThreads threads a block (kThreads; 128 for the uncompensated rotated
-// 16-bit instances), which the launch reads back from the kernel (launch_threads).
+// 16-bit instances), which the launch reads back from the kernel (prepare_launch).
 template <class Stages, typename T>
 __global__ void __launch_bounds__(Stages::kBlockThreads) echo_allreduce_kernel(KernelArgs a) {
   allreduce_pipeline<Stages, T>(a);
