@@ -90,9 +90,12 @@ struct FastStages {
   static_assert(kBlockThreads % 32 == 0 && kBlockThreads >= 64 && kBlockThreads <= kThreads,
                 "ECHO_P2P_THREADS_*: a multiple of 32 in [64, kThreads]");
   // Spills to shared memory (ECHO_P2P_SMEM_SPILLS; echo_allreduce_kernel_bounded): the
-  // uncompensated 16-bit instances, whose bounds make ptxas spill. Not the local residual's,
-  // which have no spills at their bound (the pragma alone changed their SASS).
-  static constexpr bool kSmemSpills = ECHO_P2P_SMEM_SPILLS && sizeof(T) == 2 && !COMP;
+  // uncompensated 16-bit instances, whose bounds make ptxas spill, and the local residual's bf16
+  // ones, whose reduce in LP's layout (kWideReduce) spills under their bound. Not the local
+  // residual's fp16 ones, which have no spills at theirs (the pragma alone changed their SASS).
+  static constexpr bool kSmemSpills =
+      ECHO_P2P_SMEM_SPILLS && sizeof(T) == 2 &&
+      (!COMP || (ECHO_P2P_LOCAL_REDUCE_WIDE && LOCAL && std::is_same_v<T, __nv_bfloat16>));
 
   __device__ __forceinline__ static void rotate_group(float (&v)[kLoads][kVec], int j,
                                                      uint32_t sm, float f) {
@@ -795,8 +798,9 @@ struct FastStages {
   // permutes and logic ops (272 more instructions in push_local, the same 80 registers) and the
   // call ran 7 % slower (one H100, docs/gpu.md).
   // n: the row's length, or kNoEnd where the caller knows the piece is whole (push_local).
-  __device__ static void load_local_piece(const KernelArgs& a, int64_t e, int64_t n, uint4& x,
-                                          CodeWord& c1, CodeWord& c2) {
+  __device__ __forceinline__ static void load_local_piece(const KernelArgs& a, int64_t e,
+                                                          int64_t n, uint4& x, CodeWord& c1,
+                                                          CodeWord& c2) {
     const T* xs = static_cast<const T*>(a.x);
     if constexpr (kStateQ4) {  // the codes at byte e / 2
       const uint8_t* q1 = static_cast<const uint8_t*>(a.m1);
@@ -854,9 +858,9 @@ struct FastStages {
   // again from its codes: the two at once held 32 more values a lane. kWhole: every lane of the
   // warp is here and its group is whole (n is kNoEnd; push_local_groups).
   template <bool M1, bool kWhole>
-  __device__ static void update_local_average(const KernelArgs& a, int64_t e0, int64_t n, int j,
-                                              const float (&u)[LP::kLoads][kVec],
-                                              const CodeWord (&c)[LP::kLoads], float s) {
+  __device__ __forceinline__ static void update_local_average(
+      const KernelArgs& a, int64_t e0, int64_t n, int j, const float (&u)[LP::kLoads][kVec],
+      const CodeWord (&c)[LP::kLoads], float s) {
     float nv[LP::kLoads][kVec];
     uint32_t amax = 0;
     const float f = folded_scale(M1 ? a.k.b1 : a.k.b2, s);
@@ -1097,9 +1101,173 @@ struct FastStages {
     }
   }
 
+  // reduce with the local residual in LP's layout (kWideReduce): two pieces a lane, as
+  // push_local, so that a lane's share of a group's fixed work (the encoder, the shuffles of
+  // the range and of each average's largest value, the scales) is spread over twice the values.
+  // Why: in L's layout (one piece a lane) the reduce cost about three times the push's extra
+  // time a value over p2p4's (ECHO_JAX_P2P_REPEAT_STAGE; docs/gpu.md). The same bits: the sum in
+  // rank order, the wire's pieces in index order (piece (j, k) of LP is piece k * LP::kLanes + j
+  // of the group), the update as push_local's (update_local_average). bf16 x (as kWholeSets).
+  static constexpr bool kWideReduce =
+      ECHO_P2P_LOCAL_REDUCE_WIDE && LOCAL && std::is_same_v<T, __nv_bfloat16>;
+  __device__ static void reduce_local(const KernelArgs& a, int64_t first, int count,
+                                      int64_t local0, int warp, int warps, int lane) {
+    constexpr int kGroups = LP::kGroupsPerWarp;
+    const int j = lane % LP::kLanes;
+    for (int q0 = warp * kGroups; q0 < count; q0 += warps * kGroups) {
+      const int64_t end = (a.me * a.seg_groups + first + q0 + kGroups) * G;  // the set's end
+      if (q0 + kGroups <= count && end <= a.n)  // uniform in the warp
+        reduce_local_groups<true>(a, first, count, local0, q0, lane, j);
+      else
+        reduce_local_groups<false>(a, first, count, local0, q0, lane, j);
+    }
+  }
+  // reduce_local's group set at q0 (kWhole: all there and whole, as push_local_groups).
+  template <bool kWhole>
+  __device__ static void reduce_local_groups(const KernelArgs& a, int64_t first, int count,
+                                             int64_t local0, int q0, int lane, int j) {
+    constexpr int kLd = LP::kLoads, kLn = LP::kLanes;
+    const int64_t n = kWhole ? kNoEnd : a.n;
+    const int q = q0 + lane / kLn;
+    const bool valid = kWhole || q < count;
+    const int64_t local = local0 + q;
+    const int64_t e0 = (a.me * a.seg_groups + first + q) * G;
+    // The own piece's words and the first peer's, loaded together; each peer's words are then
+    // loaded one peer ahead of its sum (as load_peer_words).
+    uint4 xw[kLd];
+    CodeWord c1[kLd], c2[kLd];
+    float s1 = 0.0f, s2 = 0.0f;  // a group of padding alone has no scale
+    uint32_t ahead_wire = 0;
+    uint2 ahead[kLd];
+    const int first_peer = a.me == 0 ? 1 : 0;
+#pragma unroll
+    for (int k = 0; k < kLd; ++k) {
+      xw[k] = make_uint4(0, 0, 0, 0);
+      c1[k] = c2[k] = CodeWord{};
+      ahead[k] = make_uint2(0, 0);
+    }
+    if (valid) {
+      load_peer_set(a, first_peer, local, j, ahead_wire, ahead);
+#pragma unroll
+      for (int k = 0; k < kLd; ++k)
+        load_local_piece(a, e0 + LP::index(j, k, 0), n, xw[k], c1[k], c2[k]);
+      if (kWhole || e0 < a.n) {  // not __ldg: rewritten below (update_local_average)
+        s1 = a.s1[e0 / kStateGroup];
+        s2 = a.s2[e0 / kStateGroup];
+      }
+    }
+    // fp32 sum in rank order 0..P-1: the peers before this rank, the own contribution (Eq. 10,
+    // rescaled), the peers after it; each part adds its values as it makes them (one loop with
+    // a branch for the own part spilled: its values array, common to the branches, held 16
+    // more registers a lane).
+    float acc[kLd][kVec];
+#pragma unroll
+    for (int k = 0; k < kLd; ++k)
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) acc[k][t] = 0.0f;
+    auto add_peer = [&](int r) {
+      const uint32_t wire = ahead_wire;
+      uint2 words[kLd];
+#pragma unroll
+      for (int k = 0; k < kLd; ++k) words[k] = ahead[k];
+      const int next = r + 1 == a.me ? r + 2 : r + 1;
+      if (next < a.P) load_peer_set(a, next, local, j, ahead_wire, ahead);
+      const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
+#pragma unroll
+      for (int k = 0; k < kLd; ++k) {
+        uint32_t codes[kVec];
+        fast::unpack_piece_codes<kVec, BITS>(words[k], codes);
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) {
+          const float v = fast::decode_fast(codes[t], d);
+          acc[k][t] = r == 0 ? v : add_rn(acc[k][t], v);
+        }
+      }
+    };
+    if (valid) {
+      for (int r = 0; r < a.me; ++r) add_peer(r);
+#pragma unroll
+      for (int k = 0; k < kLd; ++k) {
+        const int64_t e = e0 + LP::index(j, k, 0);
+        float v[kVec], m1[kVec], m2[kVec];
+        fast::unpack_values<T, kVec>(xw[k], v);
+        if constexpr (kFoldState) {  // (eta a) m1, (eta (1 - a)) m2
+          decode_state_piece(c1[k], folded_scale(a.k.ea, s1), e, n, m1);
+          decode_state_piece(c2[k], folded_scale(a.k.eb, s2), e, n, m2);
+          apply_products_and_scale(a, v, m1, m2);
+        } else {
+          decode_state_piece(c1[k], s1, e, n, m1);
+          decode_state_piece(c2[k], s2, e, n, m2);
+          apply_and_scale(a, v, m1, m2);
+        }
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) acc[k][t] = a.me == 0 ? v[t] : add_rn(acc[k][t], v[t]);
+      }
+      for (int r = a.me + 1; r < a.P; ++r) add_peer(r);
+    }
+    uint32_t wire;
+    const fast::Encoder enc = group_encoder<kLd, kLn>(a, acc, &wire);  // every lane: shuffles
+    if (!valid) return;  // a group's lanes leave together (update_local_average's shuffles)
+    const int64_t gather = gather_slot(a.me, a.P, a.slot_bytes);
+    if (j == 0) {  // the parameters go to every rank's gather slot for this owner
+      for (int r = 0; r < a.P; ++r)
+        fast::store_wire(reinterpret_cast<uint16_t*>(a.ws[r] + gather + a.params_offset), local,
+                         a.policy, wire);
+    }
+    const DequantParams d = fast::decoder_of<BITS>(wire, a.policy);
+    const float inv = unscale_of(a);
+    T* out = static_cast<T*>(a.y);
+#pragma unroll
+    for (int k = 0; k < kLd; ++k) {
+      const int64_t e = e0 + LP::index(j, k, 0);
+      uint32_t codes[kVec];
+      float y[kVec];
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) {
+        codes[t] = fast::encode<BITS>(acc[k][t], enc) & enc.mask;
+        y[t] = fast::decode_fast(codes[t], d);  // the code peers receive
+        // the residual s - Q(s) in x's units (update_local)
+        acc[k][t] = sub_rn(acc[k][t], y[t]);
+      }
+      for (int r = 0; r < a.P; ++r)
+        fast::store_piece<kVec, BITS>(a.ws[r] + gather + piece_byte<kLn>(local, j, k), codes,
+                                      0xFFFFFFFFu);
+      if (!skip_unit_factor(inv)) {
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) acc[k][t] = mul_rn(acc[k][t], inv);
+      }
+#pragma unroll
+      for (int t = 0; t < kVec; ++t) y[t] = mul_rn(y[t], inv);  // y in x's units (store_output)
+      if (kWhole || e + kVec <= a.n) {
+        *reinterpret_cast<uint4*>(out + e) = fast::pack_values<T>(y);
+      } else {
+#pragma unroll
+        for (int t = 0; t < kVec; ++t)
+          if (e + t < a.n) out[e + t] = from_f32<T>(y[t]);
+      }
+    }
+    update_local_average<true, kWhole>(a, e0, n, j, acc, c1, s1);
+    update_local_average<false, kWhole>(a, e0, n, j, acc, c2, s2);
+  }
+  // A peer's wire parameters and its kLd piece words of the group at `local` in LP's layout.
+  __device__ __forceinline__ static void load_peer_set(const KernelArgs& a, int r, int64_t local,
+                                                       int j, uint32_t& wire,
+                                                       uint2 (&words)[LP::kLoads]) {
+    const uint8_t* slot = a.ws[a.me] + push_slot(r, a.slot_bytes);
+    wire = fast::load_wire(reinterpret_cast<const uint16_t*>(slot + a.params_offset), local,
+                           a.policy);
+#pragma unroll
+    for (int k = 0; k < LP::kLoads; ++k)
+      words[k] = fast::load_piece_word<kVec, BITS>(slot + piece_byte<LP::kLanes>(local, j, k));
+  }
+
   // reduce + gather of the tile's groups of the own segment.
   __device__ static void reduce(const KernelArgs& a, int64_t first, int count, int64_t local0,
                                 int warp, int warps, int lane) {
+    if constexpr (kWideReduce) {
+      reduce_local(a, first, count, local0, warp, warps, lane);
+      return;
+    }
     const int j = lane % kLanes;
     const uint32_t sm = sign_mask(j);
     for (int q0 = warp * kGpw; q0 < count; q0 += warps * kGpw) {

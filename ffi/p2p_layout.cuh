@@ -133,6 +133,12 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 #define ECHO_P2P_NIBBLE_BYTES 1
 #endif
 
+// ECHO_P2P_LOCAL_REDUCE_WIDE: the local residual's reduce of bf16 x holds two pieces a lane, as
+// its push does (FastStages::reduce_local; the same bits).
+#ifndef ECHO_P2P_LOCAL_REDUCE_WIDE
+#define ECHO_P2P_LOCAL_REDUCE_WIDE 1
+#endif
+
 // Error codes written to the host-mapped error word (1 + stage * 256 + peer).
 enum Stage : int { kStagePush = 0, kStageGather = 1 };
 
