@@ -89,13 +89,15 @@ struct FastStages {
                                         : kThreads;
   static_assert(kBlockThreads % 32 == 0 && kBlockThreads >= 64 && kBlockThreads <= kThreads,
                 "ECHO_P2P_THREADS_*: a multiple of 32 in [64, kThreads]");
+  // The local residual's reduce in LP's layout, bf16 x (reduce_local).
+  static constexpr bool kWideReduce =
+      ECHO_P2P_LOCAL_REDUCE_WIDE && LOCAL && std::is_same_v<T, __nv_bfloat16>;
   // Spills to shared memory (ECHO_P2P_SMEM_SPILLS; echo_allreduce_kernel_bounded): the
   // uncompensated 16-bit instances, whose bounds make ptxas spill, and the local residual's bf16
   // ones, whose reduce in LP's layout (kWideReduce) spills under their bound. Not the local
   // residual's fp16 ones, which have no spills at theirs (the pragma alone changed their SASS).
   static constexpr bool kSmemSpills =
-      ECHO_P2P_SMEM_SPILLS && sizeof(T) == 2 &&
-      (!COMP || (ECHO_P2P_LOCAL_REDUCE_WIDE && LOCAL && std::is_same_v<T, __nv_bfloat16>));
+      ECHO_P2P_SMEM_SPILLS && sizeof(T) == 2 && (!COMP || kWideReduce);
 
   __device__ __forceinline__ static void rotate_group(float (&v)[kLoads][kVec], int j,
                                                      uint32_t sm, float f) {
@@ -1107,9 +1109,8 @@ struct FastStages {
   // Why: in L's layout (one piece a lane) the reduce cost about three times the push's extra
   // time a value over p2p4's (ECHO_JAX_P2P_REPEAT_STAGE; docs/gpu.md). The same bits: the sum in
   // rank order, the wire's pieces in index order (piece (j, k) of LP is piece k * LP::kLanes + j
-  // of the group), the update as push_local's (update_local_average). bf16 x (as kWholeSets).
-  static constexpr bool kWideReduce =
-      ECHO_P2P_LOCAL_REDUCE_WIDE && LOCAL && std::is_same_v<T, __nv_bfloat16>;
+  // of the group), the update as push_local's (update_local_average). bf16 x (kWideReduce, as
+  // kWholeSets).
   __device__ static void reduce_local(const KernelArgs& a, int64_t first, int count,
                                       int64_t local0, int warp, int warps, int lane) {
     constexpr int kGroups = LP::kGroupsPerWarp;

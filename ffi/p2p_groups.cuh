@@ -113,10 +113,9 @@ constexpr int kSharedCarveoutBytes = 2048;
 
 // Prepares the first launch of `kernel` and returns the threads a block takes (*threads): its
 // __launch_bounds__' first argument (Stages::kBlockThreads), which the runtime reports as the
-// kernel's largest block. A kernel
-// with kSharedCarveoutBytes of shared memory or more asks for the largest shared-memory
-// carveout (with ECHO_P2P_SMEM_SPILLS), so that the occupancy query and the launches see the
-// same carveout: every block of the pipeline must be resident at once.
+// kernel's largest block. A kernel with kSharedCarveoutBytes of shared memory or more asks for
+// the largest shared-memory carveout (with ECHO_P2P_SMEM_SPILLS), so that the occupancy query
+// and the launches see the same carveout: every block of the pipeline must be resident at once.
 cudaError_t prepare_launch(const void* kernel, int* threads) {
   cudaFuncAttributes attr{};
   cudaError_t e = cudaFuncGetAttributes(&attr, kernel);

@@ -42,7 +42,7 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 // at a time, so with 256 threads a bound of 56 registers still leaves 4 blocks (32 warps) an SM
 // and one of 72 still 3 (24 warps), what 64 and 80 give; with 128 threads they give 9 blocks
 // (36 warps) and 7 (28 warps). The launch takes the size from the kernel (p2p_groups.cuh,
-// launch_threads). The rotated ones take 128 (faster, docs/gpu.md); the local ones 256 (128
+// prepare_launch). The rotated ones take 128 (faster, docs/gpu.md); the local ones 256 (128
 // at 7 blocks was not faster).
 #ifndef ECHO_P2P_THREADS_ROT_16
 #define ECHO_P2P_THREADS_ROT_16 128
@@ -71,10 +71,11 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 // bound to 4; the rotated ones (79-80 registers) were not timed bound. The unrotated 16-bit
 // ones take no bound: ptxas gives them 64 registers (4 blocks an SM) by itself, and a bound of
 // 4 adds spills.
-// The int8 state's unrotated 16-bit instances with the local residual (EchoConfig.residual =
-// "local", two pieces a lane in the push and the tail): bound to 3 blocks an SM (80 registers,
-// no spills); unbounded ptxas takes 128 (2 blocks), and bound to 4 (64) they spill about 200
-// bytes a thread and ran slower (docs/gpu.md, "Build switches", has the times).
+// The int8 / int4 state's unrotated 16-bit instances with the local residual (EchoConfig.residual
+// = "local", two pieces a lane in the push and the tail, and in bf16's reduce): bound to 3
+// blocks an SM (80 registers; bf16 spills 44-100 bytes a thread, to shared memory, fp16 none);
+// unbounded ptxas takes 128 (2 blocks), and bound to 4 (64) they spilled about 200 bytes a
+// thread and ran slower (docs/gpu.md, "Build switches", has the times).
 #ifndef ECHO_P2P_MIN_BLOCKS_LOCAL_16
 #define ECHO_P2P_MIN_BLOCKS_LOCAL_16 3
 #endif
@@ -86,8 +87,10 @@ constexpr int kCacheChunks = 4;      // per-lane register cache of the reduce st
 // is a few cycles away instead of a round trip through L1 / L2. Their static shared memory grows
 // by a block's spills (p2p4: 13 KB at 6 blocks; rotated: up to 9 KB at 9 blocks), which the
 // occupancy query counts; the launch asks for the largest shared-memory carveout for kernels
-// with that much (p2p_groups.cuh). 0: local memory, as fp32 x's and the compensated instances'
-// always (fp32 x's bounds were timed so; the local residual's have no spills at theirs).
+// with that much (p2p_groups.cuh). The local residual's bf16 instances spill there too (their
+// reduce in two pieces a lane, ECHO_P2P_LOCAL_REDUCE_WIDE). 0: local memory, as fp32 x's and the
+// other compensated instances' always (fp32 x's bounds were timed so; the local residual's fp16
+// ones have no spills at theirs).
 #ifndef ECHO_P2P_SMEM_SPILLS
 #define ECHO_P2P_SMEM_SPILLS 1
 #endif
